@@ -1,0 +1,136 @@
+"""Arguments: `OffloadTrainingArguments` adds our own fields to `transformers.TrainingArguments`;
+`ModelArguments` and `DataArguments` hold what a YAML config says about the model and the data.
+
+Only the fields we add live here. Everything else is `TrainingArguments`, parsed by transformers'
+own `HfArgumentParser` (see `config.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+# The optimizer names a user may keep while `offload_optimizer` is on: all of them mean AdamW, and the
+# streamed optimizer keeps AdamW's states in torchao's 8-bit format (see optim.py).
+ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_8bit")
+MASTER_WEIGHTS = ("bf16_sr", "bf16")
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Hub id or local directory of a pretrained model (loaded with from_pretrained)."},
+    )
+    model_config: str | None = field(
+        default=None,
+        metadata={"help": "Instead of weights: a named architecture built with random init, e.g. "
+                          "'tiny-llama', 'llama3-8b', 'qwen2.5-14b' (see offload_trainer.models.ARCHITECTURES)."},
+    )
+    model_overrides: dict | None = field(
+        default=None, metadata={"help": "Config fields to override on a named architecture, e.g. {num_hidden_layers: 4}."}
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None, metadata={"help": "Tokenizer to use; default: the model's own, or the built-in tokenizer."}
+    )
+    torch_dtype: str = field(
+        default="bfloat16", metadata={"help": "Weights dtype: bfloat16 (default), float32 or float16."}
+    )
+    attn_implementation: str = field(default="sdpa", metadata={"help": "Attention kernel: sdpa or eager."})
+
+    def __post_init__(self) -> None:
+        if (self.model_name_or_path is None) == (self.model_config is None):
+            raise ValueError(
+                "give exactly one of `model_name_or_path` (pretrained weights) or `model_config` "
+                "(a named architecture with random init, e.g. model_config: tiny-llama)"
+            )
+        if self.torch_dtype not in ("bfloat16", "float32", "float16"):
+            raise ValueError(f"torch_dtype={self.torch_dtype!r}: use bfloat16, float32 or float16")
+
+
+@dataclass
+class DataArguments:
+    dataset_path: str = field(
+        default="builtin",
+        metadata={"help": "A .txt or .jsonl file, 'builtin' (the small corpus shipped in the package), "
+                          "'builtin-sft' (prompt/completion pairs) or 'random' (random tokens, for benchmarks)."},
+    )
+    max_seq_length: int = field(default=512, metadata={"help": "Tokens per packed training sequence."})
+    text_field: str = field(default="text", metadata={"help": "Field holding plain text in .jsonl records."})
+    eval_fraction: float = field(
+        default=0.0, metadata={"help": "Fraction of packed sequences held out for evaluation (0 = none)."}
+    )
+    random_num_samples: int = field(default=256, metadata={"help": "Number of sequences when dataset_path=random."})
+
+    def __post_init__(self) -> None:
+        if self.max_seq_length < 8:
+            raise ValueError(f"max_seq_length={self.max_seq_length} is too small: use at least 8")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(f"eval_fraction={self.eval_fraction} must be in [0, 1)")
+
+
+@dataclass
+class OffloadTrainingArguments(TrainingArguments):
+    """`TrainingArguments` plus the offload switches. Every other field is the Trainer's own."""
+
+    offload_optimizer: bool = field(
+        default=True,
+        metadata={"help": "Keep AdamW states 8-bit in pinned CPU memory and stream them to the GPU layer by "
+                          "layer for the update (saves ~2 bytes/param of GPU memory vs 8-bit AdamW on the GPU, "
+                          "costs ~4 bytes/param/step of PCIe traffic, hidden behind backward). False: the "
+                          "Trainer's own optimizer."},
+    )
+    offload_gradients: bool = field(
+        default=False,
+        metadata={"help": "With max_grad_norm > 0 the update must wait for the global norm: keep the gradients "
+                          "in pinned CPU memory meanwhile (saves 2 bytes/param of GPU memory, costs 4 bytes/param "
+                          "of PCIe traffic per step). Needed for 8B on 24 GiB."},
+    )
+    offload_chunk_numel: int = field(
+        default=2**25,
+        metadata={"help": "Elements per streamed chunk of optimizer state (a multiple of the 8-bit block size). "
+                          "Larger: fewer launches; smaller: less GPU memory in flight."},
+    )
+    offload_inflight_chunks: int = field(
+        default=4,
+        metadata={"help": "GPU staging slots for streamed chunks (bounded pool with back-pressure). "
+                          "GPU memory in flight ~ slots x chunk x (2 bytes, +2 with max_grad_norm > 0)."},
+    )
+    master_weights: str = field(
+        default="bf16_sr",
+        metadata={"help": "How bf16 weights absorb tiny updates: 'bf16_sr' (stochastic rounding, default, no "
+                          "extra memory) or 'bf16' (round to nearest: updates below 1/256 of a weight are lost)."},
+    )
+    loss_chunk_size: int = field(
+        default=1024,
+        metadata={"help": "Tokens per chunk of the LM-head + cross-entropy, so full logits are never "
+                          "materialised (0 = the model's own loss). Saves ~batch*seq*vocab*4 bytes."},
+    )
+    gpu_memory_limit_gb: float | None = field(
+        default=None,
+        metadata={"help": "Cap this process's GPU memory (GiB), e.g. 24 to emulate a 24 GB card on a bigger one."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.offload_optimizer:
+            optim = getattr(self.optim, "value", self.optim)
+            if optim not in ADAMW_NAMES:
+                raise ValueError(
+                    f"offload_optimizer=True streams 8-bit AdamW states, but optim={optim!r}. "
+                    f"Set optim to one of {', '.join(ADAMW_NAMES)}, or offload_optimizer: false to use {optim!r}."
+                )
+        if self.master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"master_weights={self.master_weights!r}: use one of {', '.join(MASTER_WEIGHTS)}")
+        if self.offload_chunk_numel < 4096 or self.offload_chunk_numel % 256:
+            raise ValueError(
+                f"offload_chunk_numel={self.offload_chunk_numel}: use a multiple of 256 of at least 4096 "
+                f"(default 33554432)"
+            )
+        if self.offload_inflight_chunks < 2:
+            raise ValueError(f"offload_inflight_chunks={self.offload_inflight_chunks}: use at least 2 "
+                             f"(one slot copying while one updates)")
+        if self.loss_chunk_size < 0:
+            raise ValueError(f"loss_chunk_size={self.loss_chunk_size}: use 0 (off) or a positive token count")
+        if self.gpu_memory_limit_gb is not None and self.gpu_memory_limit_gb <= 0:
+            raise ValueError(f"gpu_memory_limit_gb={self.gpu_memory_limit_gb}: give a positive number of GiB")

@@ -1,0 +1,95 @@
+"""`offload-trainer train CONFIG.yaml [key=value ...]` and `offload-trainer keys`.
+
+User errors (bad config, bad data, impossible options) print one message naming the problem and the
+fix, and exit with status 2, with no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import textwrap
+
+from .config import ConfigError, load_config, parse_args, valid_fields
+from .data import DataError
+
+logger = logging.getLogger("offload_trainer")
+
+
+def train(config: str, overrides: list[str]) -> str:
+    """Train from a YAML config; returns the output directory."""
+    cfg = load_config(config, overrides)  # every check that needs no model happens here
+    model_args, data_args, training_args = parse_args(cfg)
+
+    from transformers import set_seed
+
+    from .data import build_datasets
+    from .models import architecture_config, count_params, load_model, load_tokenizer
+    from .trainer import OffloadTrainer
+
+    set_seed(training_args.seed)
+    tokenizer = load_tokenizer(model_args)
+    if model_args.model_config:
+        vocab = architecture_config(model_args.model_config, model_args.model_overrides).vocab_size
+    else:
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(model_args.model_name_or_path).vocab_size
+    train_ds, eval_ds = build_datasets(data_args, tokenizer, vocab_size=vocab, seed=training_args.seed)
+    logger.info("data: %d training sequences of %d tokens%s", len(train_ds), data_args.max_seq_length,
+                f", {len(eval_ds)} held out" if eval_ds else "")
+
+    model = load_model(model_args, gradient_checkpointing=training_args.gradient_checkpointing)
+    logger.info("model: %s, %.1fM parameters, %s", model_args.model_name_or_path or model_args.model_config,
+                count_params(model) / 1e6, model_args.torch_dtype)
+    trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
+                             processing_class=tokenizer)
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    trainer.save_model()
+    trainer.save_state()
+    if eval_ds is not None:
+        metrics = trainer.evaluate()
+        logger.info("eval loss %.4f", metrics["eval_loss"])
+    logger.info("saved to %s", training_args.output_dir)
+    return training_args.output_dir
+
+
+def print_keys() -> None:
+    from .args import DataArguments, ModelArguments, OffloadTrainingArguments
+
+    own = {f for cls in (ModelArguments, DataArguments) for f in cls.__dataclass_fields__}
+    own |= set(OffloadTrainingArguments.__dataclass_fields__) - set(
+        OffloadTrainingArguments.__mro__[1].__dataclass_fields__)
+    for name, f in sorted(valid_fields().items(), key=lambda kv: (kv[0] not in own, kv[0])):
+        help_text = f.metadata.get("help", "") if name in own else "(TrainingArguments)"
+        print(f"{name}\n{textwrap.indent(textwrap.fill(help_text, 88), '    ')}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="offload-trainer", description="Full-finetune LLMs on one small GPU.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="train from a YAML config")
+    p_train.add_argument("config", help="YAML config, e.g. configs/tiny-cpu.yaml")
+    p_train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. max_steps=10")
+    sub.add_parser("keys", help="list every config key with its help")
+    args = parser.parse_args(argv)
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    try:
+        if args.command == "keys":
+            print_keys()
+        else:
+            train(args.config, args.overrides)
+    except (ConfigError, DataError) as e:
+        print(f"offload-trainer: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("offload-trainer: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""YAML config -> (ModelArguments, DataArguments, OffloadTrainingArguments).
+
+One flat YAML mapping, keys named as in `TrainingArguments` (like axolotl / LLaMA-Factory configs),
+`key=value` overrides on the command line. Every check here runs before any model is loaded:
+unknown keys (with the closest valid key), wrong value types, missing data files.
+Parsing itself is transformers' `HfArgumentParser`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import enum
+import os
+import types
+import typing
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user error in a config or an override: the message names the key and what to change."""
+
+
+def _arg_classes():
+    from .args import DataArguments, ModelArguments, OffloadTrainingArguments
+
+    return ModelArguments, DataArguments, OffloadTrainingArguments
+
+
+def valid_fields() -> dict[str, dataclasses.Field]:
+    out: dict[str, dataclasses.Field] = {}
+    for cls in _arg_classes():
+        for f in dataclasses.fields(cls):
+            if f.init:
+                out[f.name] = f
+    return out
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    if tp is Any or tp is object:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if tp is type(None):
+        return value is None
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return value in [m.value for m in tp] or isinstance(value, tp)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True  # an annotation we cannot check is left to the dataclass
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    return getattr(tp, "__name__", str(tp))
+
+
+def _admits_float(tp: Any) -> bool:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_admits_float(a) for a in typing.get_args(tp))
+    return tp is float
+
+
+def check_keys_and_types(cfg: dict[str, Any], source: str) -> None:
+    """Raise ConfigError on an unknown key or a value of the wrong type (fixes '1e-4' in place: YAML 1.1
+    reads exponent floats without a dot as strings)."""
+    fields = valid_fields()
+    for key, value in list(cfg.items()):
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else " `offload-trainer keys` lists them all."
+            raise ConfigError(f"{source}: unknown key {key!r}.{hint}")
+        tp = fields[key].type
+        if isinstance(value, str) and _admits_float(tp) and not _type_ok(value, tp):
+            with contextlib.suppress(ValueError):
+                cfg[key] = value = float(value)
+        if not _type_ok(value, tp):
+            raise ConfigError(f"{source}: key {key!r} = {value!r} ({type(value).__name__}) has the wrong type; "
+                              f"expected {_type_name(tp)}")
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`key=value` strings; values are read as YAML scalars (3 -> int, true -> bool, 1e-4 -> float)."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark, ctx = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        opened = f" ({e.context} at line {ctx.line + 1})" if ctx is not None and getattr(e, "context", None) else ""
+        raise ConfigError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}{opened}") from None
+    if cfg is None:
+        cfg = {}
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of key: value, not {type(cfg).__name__}")
+    return cfg
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Merged, checked config dict (YAML file, then overrides). Raises ConfigError before any model loads."""
+    cfg = load_yaml(path) if path else {}
+    check_keys_and_types(cfg, path or "config")
+    extra = parse_overrides(overrides or [])
+    check_keys_and_types(extra, "override")
+    cfg.update(extra)
+    from .data import DataError, check_dataset_path
+
+    try:
+        check_dataset_path(cfg.get("dataset_path", "builtin"))
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    mp = cfg.get("model_name_or_path")
+    if mp is not None:
+        # "org/name" may be a hub id; anything else that looks like a path must exist now, not after imports.
+        looks_local = mp.startswith((".", "/", "~")) or mp.count("/") > 1
+        if looks_local and not os.path.exists(os.path.expanduser(mp)):
+            raise ConfigError(f"model_name_or_path: directory {mp!r} does not exist")
+    cfg.setdefault("output_dir", "outputs/run")
+    return cfg
+
+
+def parse_args(cfg: dict[str, Any]):
+    """(model_args, data_args, training_args) from a checked config dict."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(_arg_classes())
+    try:
+        return parser.parse_dict(cfg, allow_extra_keys=False)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"invalid configuration: {e}") from None

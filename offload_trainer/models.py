@@ -1,0 +1,94 @@
+"""Model and tokenizer loading: pretrained weights (`from_pretrained`) or a named architecture with
+random init (benchmarks and tests need no download)."""
+from __future__ import annotations
+
+import copy
+import os
+from importlib import resources
+from typing import Any
+
+import torch
+
+# Shapes of real models (from their published configs), for random-init benchmarks and the planner.
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(model_type="llama", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                       max_position_embeddings=2048, tie_word_embeddings=False),
+    "llama3.2-1b": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                        max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=True),
+    "llama3.2-3b": dict(model_type="llama", hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+                        num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
+                        max_position_embeddings=131072, rope_theta=500000.0, tie_word_embeddings=False),
+    "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False),
+    "qwen2.5-14b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
+                        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+                        max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False),
+    "llama3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                       num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+                       max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False),
+}
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+def builtin_asset(name: str) -> str:
+    """Path of a file shipped in offload_trainer/assets (the built-in corpus and tokenizer)."""
+    return str(resources.files("offload_trainer") / "assets" / name)
+
+
+def architecture_config(name: str, overrides: dict | None = None):
+    """A transformers config for a named architecture, without touching any weights."""
+    from transformers import AutoConfig
+
+    if name not in ARCHITECTURES:
+        import difflib
+
+        close = difflib.get_close_matches(name, ARCHITECTURES, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"model_config={name!r} is not a known architecture.{hint} "
+                         f"Known: {', '.join(ARCHITECTURES)}")
+    fields = copy.deepcopy(ARCHITECTURES[name])
+    fields.update(overrides or {})
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def load_tokenizer(model_args):
+    from transformers import AutoTokenizer
+
+    path = model_args.tokenizer_name_or_path
+    if path is None:
+        path = model_args.model_name_or_path if model_args.model_name_or_path else builtin_asset("tokenizer")
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token is None:
+        # Packed sequences are all full length; padding only pads the last block, masked out of the loss.
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(model_args, *, gradient_checkpointing: bool = False):
+    """Load pretrained weights, or build a named architecture with random init, in the requested dtype."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[model_args.torch_dtype]
+    if model_args.model_name_or_path:
+        kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=model_args.attn_implementation)
+        path = model_args.model_name_or_path
+        gguf = [f for f in os.listdir(path) if f.endswith(".gguf")] if os.path.isdir(path) else []
+        if gguf and not os.path.exists(os.path.join(path, "config.json")):
+            kwargs["gguf_file"] = gguf[0]
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    else:
+        config = architecture_config(model_args.model_config, model_args.model_overrides)
+        config._attn_implementation = model_args.attn_implementation
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if gradient_checkpointing:
+        model.config.use_cache = False
+    return model
+
+
+def count_params(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,498 @@
+"""StreamedAdamW8bit: AdamW whose 8-bit states live in pinned CPU memory and are streamed to the GPU.
+
+Weights stay on the GPU. Each trainable tensor's two AdamW moments are kept on the host in torchao's
+blockwise 8-bit format (`OptimState8bit`: uint8 codes + one fp32 scale per block). For the update, a
+chunk of states is copied to a GPU staging slot (H2D stream), updated there by torchao's own
+`single_param_adam` (update stream), and copied back (D2H stream). Slots form a bounded pool: a chunk
+waits (on the GPU, never on the CPU) for its slot's previous copy-back, so GPU memory in flight is fixed.
+
+When the updates happen:
+- `update_in_backward=True`: from post-accumulate-grad hooks, as each gradient is ready (no clipping
+  possible: the global norm is not known yet). Each gradient is freed once its update has read it.
+- `update_in_backward=False` (needed for clipping by global norm): gradients wait until `step()`;
+  with `offload_gradients=True` they wait in pinned host memory (copied out during backward), so the
+  full gradient set never sits on the GPU. `clip_grad_norm_` then scales them exactly as
+  `torch.nn.utils.clip_grad_norm_` would, and `step()` streams the updates in forward order; with
+  `attach(model)` the next forward overlaps them, each layer waiting only for its own update.
+
+On CPU the same code runs with synchronous stand-ins for streams (see streams.py).
+The state dict has torchao `AdamW8bit`'s layout (`step`, `exp_avg`, `exp_avg_sq`).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torchao.optim.adam import single_param_adam
+from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
+
+from .streams import Streams, pinned_empty
+
+__all__ = ["StreamedAdamW8bit", "forward_units"]
+
+
+def forward_units(model: nn.Module) -> list[nn.Module]:
+    """Modules in forward order whose parameters are updated (and waited for) together.
+
+    Items of the largest `ModuleList` (the decoder layers) are units; so is every module that owns
+    parameters directly (embeddings, norms, heads). Works for any HF causal LM and for plain models.
+    """
+    units: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        if isinstance(m, nn.ModuleList):
+            units.extend(c for c in m if any(True for _ in c.parameters()))
+            return
+        children = [c for c in m.children() if any(True for _ in c.parameters())]
+        if any(True for _ in m.parameters(recurse=False)) or not children:
+            units.append(m)
+            return
+        for c in children:
+            visit(c)
+
+    visit(model)
+    return units
+
+
+@dataclass
+class _Slot:
+    """GPU staging for one chunk: both moments' codes and scales, and (optionally) its gradient."""
+
+    codes: Tensor  # (2, chunk) uint8
+    scales: Tensor  # (2, chunk // block) fp32
+    grad_bytes: Tensor | None  # raw bytes for a chunk of gradient, viewed as its dtype
+    free: object = None  # event: the last copy-back out of this slot is done
+
+
+@dataclass
+class _StepPlan:
+    """Bookkeeping of one optimizer step (reset by `step()` / `zero_grad()`)."""
+
+    norms: dict = field(default_factory=dict)  # param -> grad norm (0-dim tensor)
+    host_grad_ready: dict = field(default_factory=dict)  # param -> event: grad copied to host
+    updated: set = field(default_factory=set)  # params already updated in this backward
+    clip_coef: Tensor | None = None
+
+
+class StreamedAdamW8bit(torch.optim.Optimizer):
+    """AdamW with 8-bit states in (pinned) CPU memory, updated on the weights' device.
+
+    Args mirror torchao `AdamW8bit`; keyword-only flags choose how the update is streamed.
+    `chunk_numel` elements are staged per copy; `inflight_chunks` slots bound GPU memory in flight.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        block_size: int = 256,
+        bf16_stochastic_round: bool = True,
+        update_in_backward: bool = False,
+        offload_gradients: bool = False,
+        chunk_numel: int = 2**25,
+        inflight_chunks: int = 4,
+        compile: bool | None = None,
+    ) -> None:
+        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}")
+        if chunk_numel % block_size or chunk_numel < block_size:
+            raise ValueError(f"chunk_numel={chunk_numel} must be a positive multiple of block_size={block_size}")
+        if inflight_chunks < 2:
+            raise ValueError("inflight_chunks must be >= 2 (one slot copying while another updates)")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.block_size = block_size
+        self.bf16_stochastic_round = bf16_stochastic_round
+        self.update_in_backward = update_in_backward
+        self.offload_gradients = offload_gradients
+        self.chunk_numel = chunk_numel
+
+        self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if not self._params:
+            raise ValueError("no trainable parameters (all have requires_grad=False)")
+        devices = {p.device for p in self._params}
+        if len(devices) != 1:
+            raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self._streams = Streams(self.device)
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        self._step_fn = single_param_adam
+        if compile if compile is not None else self.device.type == "cuda":
+            self._step_fn = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+
+        # Host states and GPU slots are allocated at first use, not here: accelerate's prepare() round-trips
+        # an optimizer's state dict through the GPU, which must not see gigabytes of host states.
+        self._inflight_chunks = inflight_chunks
+        self._offset: dict[Tensor, int] = {}
+        self._allocated = False
+        self._plan = _StepPlan()
+        self._accumulating = False
+        self._units: list[list[Tensor]] = []  # params of each unit, forward order
+        self._unit_of: dict[Tensor, int] = {}
+        self._unit_event: dict[int, object] = {}
+        self._handles: list = []
+        self._norm_order = self._params
+        self._prev_d2h_done = None  # event: the last step's copy-backs finished (host states final)
+        self._prev_h2d_done = None  # event: the last step's host gradients were read
+        self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "updates": 0}
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        # NOTE: lr is a tensor, as in torchao's optimizers: LR schedulers fill_() it in place, and a
+        # compiled update does not recompile when it changes.
+        group = self.param_groups[-1]
+        if not isinstance(group["lr"], Tensor):
+            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+
+    # ------------------------------------------------------------------ setup
+    def _is_8bit(self, p: Tensor) -> bool:
+        # torchao's rule (after bitsandbytes): only tensors of >= 4096 values, divisible into blocks.
+        return p.numel() >= 4096 and p.numel() % self.block_size == 0
+
+    def _ensure_states(self) -> None:
+        if not self._allocated:
+            self._allocated = True
+            self._init_states(pin=self.device.type == "cuda")
+            self._init_slots(self._inflight_chunks)
+
+    def _init_states(self, *, pin: bool) -> None:
+        big = [p for p in self._params if self._is_8bit(p)]
+        total = sum(p.numel() for p in big)
+        bs = self.block_size
+        # One flat host buffer per kind (exactly sized, pinned once): codes of both moments, their scales,
+        # and, when offloading, the gradients.
+        self._host_codes = pinned_empty(2 * total, torch.uint8, pin=pin).view(2, total)
+        self._host_scales = pinned_empty(2 * total // bs, torch.float32, pin=pin).view(2, total // bs)
+        self._host_codes.zero_()
+        self._host_scales.zero_()
+        grad_dtype = big[0].dtype if big else torch.float32
+        if self.offload_gradients and any(p.dtype != grad_dtype for p in big):
+            raise ValueError("offload_gradients needs all 8-bit-state parameters in one dtype")
+        self._host_grads = pinned_empty(total, grad_dtype, pin=pin) if self.offload_gradients else None
+        qmaps = [torch.tensor(get_qmap_signed()), torch.tensor(get_qmap_unsigned())]
+        self._qmaps_dev = [q.to(self.device) for q in qmaps]
+        off = 0
+        for p in self._params:
+            st = self.state[p]
+            st["step"] = torch.tensor(0.0)
+            if self._is_8bit(p):
+                n = p.numel()
+                self._offset[p] = off
+                for k, (name, signed) in enumerate((("exp_avg", True), ("exp_avg_sq", False))):
+                    codes = self._host_codes[k, off:off + n].view(p.shape)
+                    scale = self._host_scales[k, off // bs:(off + n) // bs]
+                    st[name] = OptimState8bit(codes, scale, qmaps[k], signed, dtype=p.dtype)
+                off += n
+            else:  # small tensors (norms, biases): plain states on the device, as torchao keeps them
+                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+
+    def _init_slots(self, n_slots: int) -> None:
+        big = [p for p in self._params if p in self._offset]
+        chunk = min(self.chunk_numel, max((p.numel() for p in big), default=self.block_size))
+        gbytes = max((p.element_size() for p in big), default=4) * chunk if self.offload_gradients else 0
+        self._slots = [
+            _Slot(
+                codes=torch.empty(2, chunk, dtype=torch.uint8, device=self.device),
+                scales=torch.empty(2, chunk // self.block_size, dtype=torch.float32, device=self.device),
+                grad_bytes=torch.empty(gbytes, dtype=torch.uint8, device=self.device) if gbytes else None,
+            )
+            for _ in range(n_slots if big else 0)
+        ]
+        self._slot_chunk = chunk
+        self._next_slot = 0
+
+    def attach(self, model: nn.Module, units: list[nn.Module] | None = None):
+        """Hook the optimizer into `model`: updates/gradient offload during backward, and per-unit waits
+        in forward so that a layer runs as soon as its own update is done. Returns a handle with remove()."""
+        self.detach()
+        units = units if units is not None else forward_units(model)
+        seen: set = set()
+        self._units = []
+        for u in units:
+            ps = [p for p in u.parameters() if p.requires_grad and p in self._group_of and p not in seen]
+            seen.update(ps)
+            self._units.append(ps)
+        self._unit_of = {p: i for i, ps in enumerate(self._units) for p in ps}
+        # clip_grad_norm_(model.parameters()) sums per-tensor norms in the model's order: so do we
+        in_model = [p for p in model.parameters() if p.requires_grad and p in self._group_of]
+        self._norm_order = in_model + [p for p in self._params if p not in set(in_model)]
+        for i, u in enumerate(units):
+            self._handles.append(u.register_forward_pre_hook(self._make_wait_hook(i)))
+        for p in self._params:
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        return _Handle(self)
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._units, self._unit_of, self._unit_event = [], {}, {}
+        self._norm_order = self._params
+
+    def _make_wait_hook(self, unit: int):
+        def hook(module, args):
+            # The forward of this unit reads weights that the update stream may still be writing.
+            ev = self._unit_event.get(unit)
+            if ev is not None:
+                self._streams.compute().wait_event(ev)
+
+        return hook
+
+    @contextlib.contextmanager
+    def no_update(self):
+        """Backward passes inside only accumulate gradients (all micro-batches but the last)."""
+        prev, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = prev
+
+    # ------------------------------------------------------------------ backward hooks
+    @torch.no_grad()
+    def _on_grad_ready(self, p: Tensor) -> None:
+        if self._accumulating or p.grad is None:
+            return
+        self._ensure_states()
+        S = self._streams
+        if self.update_in_backward:
+            self._plan.norms[p] = torch.nn.utils.get_total_norm([p.grad])
+            self._update_param(p, S.record(S.compute()))
+            self._plan.updated.add(p)
+            self._record_unit_done(p)
+        elif self.offload_gradients and p in self._offset:
+            self._plan.norms[p] = torch.nn.utils.get_total_norm([p.grad])
+            self._offload_grad(p, S.record(S.compute()))
+
+    def _offload_grad(self, p: Tensor, grad_ready) -> None:
+        S = self._streams
+        S.d2h.wait_event(grad_ready)
+        if self._prev_h2d_done is not None:  # the host buffer still holds last step's grads until read
+            S.d2h.wait_event(self._prev_h2d_done)
+            self._prev_h2d_done = None
+        off, n = self._offset[p], p.numel()
+        with S.on(S.d2h):
+            self._host_grads[off:off + n].copy_(p.grad.view(-1), non_blocking=True)
+        S.keep_alive(p.grad, S.d2h)
+        self._plan.host_grad_ready[p] = S.record(S.d2h)
+        self.stats["d2h_bytes"] += n * p.grad.element_size()
+        p.grad = None
+
+    def _record_unit_done(self, p: Tensor) -> None:
+        unit = self._unit_of.get(p)
+        if unit is not None:
+            self._unit_event[unit] = self._streams.record(self._streams.update)
+
+    # ------------------------------------------------------------------ the update
+    def _update_param(self, p: Tensor, grad_ready) -> None:
+        """Queue the update of one tensor; the gradient is `p.grad` (device) or its host copy."""
+        S = self._streams
+        group, st = self._group_of[p], self.state[p]
+        st["step"] += 1
+        step = st["step"].clone()  # read when each kernel launches; never mutated afterwards
+        lr = torch.as_tensor(group["lr"], dtype=torch.float32).clone()  # as step: fixed at queue time
+        sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+        args = (lr, group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], True, sr)
+        grad = p.grad
+        on_host = grad is None
+        if grad is not None:
+            S.update.wait_event(grad_ready)
+            S.keep_alive(grad, S.update)
+            p.grad = None
+        self.stats["updates"] += 1
+        if p not in self._offset:
+            with S.on(S.update):  # small tensors: states stay on the device, nothing to stream
+                self._step_fn(p.detach(), grad, step, st["exp_avg"], st["exp_avg_sq"], None, *args)
+            return
+        off, n = self._offset[p], p.numel()
+        flat_p = p.detach().view(-1)
+        flat_g = None if on_host else grad.view(-1)
+        for s in range(0, n, self._slot_chunk):
+            e = min(s + self._slot_chunk, n)
+            self._update_chunk(p, off, s, e, flat_p, flat_g, grad_ready if on_host else None, step, args)
+
+    def _update_chunk(self, p, off, s, e, flat_p, flat_g, host_grad_ready, step, args) -> None:
+        S, bs, n = self._streams, self.block_size, e - s
+        slot = self._slots[self._next_slot]
+        self._next_slot = (self._next_slot + 1) % len(self._slots)
+        a, b = off + s, off + e  # range in the flat host buffers
+        # 1) H2D: the slot must be free (its last copy-back done), host states final (last step's
+        #    copy-backs done), and a host gradient must have landed (its D2H done).
+        if slot.free is not None:
+            S.h2d.wait_event(slot.free)
+        if self._prev_d2h_done is not None:
+            S.h2d.wait_event(self._prev_d2h_done)
+            self._prev_d2h_done = None
+        if host_grad_ready is not None:
+            S.h2d.wait_event(host_grad_ready)
+        codes, scales = slot.codes[:, :n], slot.scales[:, : n // bs]
+        with S.on(S.h2d):
+            for k in range(2):  # row by row: a strided 2-D host copy would go through a pageable temporary
+                codes[k].copy_(self._host_codes[k, a:b], non_blocking=True)
+                scales[k].copy_(self._host_scales[k, a // bs:b // bs], non_blocking=True)
+            if flat_g is None:
+                g = slot.grad_bytes[: n * self._host_grads.element_size()].view(self._host_grads.dtype)
+                g.copy_(self._host_grads[a:b], non_blocking=True)
+        loaded = S.record(S.h2d)
+        self.stats["h2d_bytes"] += 2 * n + 8 * (n // bs) + (0 if flat_g is not None else g.numel() * g.element_size())
+        # 2) the update, on its own stream so that backward / forward never wait for it
+        S.update.wait_event(loaded)
+        with S.on(S.update):
+            if flat_g is None:
+                if self._plan.clip_coef is not None:
+                    g = g * self._plan.clip_coef  # bf16 * fp32 scalar -> bf16, as clip_grad_norm_ does in place
+            else:
+                g = flat_g[s:e]
+            m = OptimState8bit(codes[0], scales[0], self._qmaps_dev[0], True, dtype=p.dtype)
+            v = OptimState8bit(codes[1], scales[1], self._qmaps_dev[1], False, dtype=p.dtype)
+            self._step_fn(flat_p[s:e], g, step, m, v, None, *args)
+        updated = S.record(S.update)
+        # 3) D2H: the new states back to the host; the slot is free once this lands
+        S.d2h.wait_event(updated)
+        with S.on(S.d2h):
+            for k in range(2):
+                self._host_codes[k, a:b].copy_(codes[k], non_blocking=True)
+                self._host_scales[k, a // bs:b // bs].copy_(scales[k], non_blocking=True)
+        slot.free = S.record(S.d2h)
+        self.stats["d2h_bytes"] += 2 * n + 8 * (n // bs)
+
+    # ------------------------------------------------------------------ clip / step
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Global-norm clipping with `torch.nn.utils.clip_grad_norm_`'s arithmetic, over gradients on the
+        device and those waiting on the host. Call after backward, before `step()`. Returns the norm."""
+        if norm_type != 2.0:
+            raise ValueError("only the L2 norm (norm_type=2) is supported")
+        if self._plan.updated and math.isfinite(max_norm):
+            raise RuntimeError(
+                "updates already ran during backward (update_in_backward=True), so gradients cannot be "
+                "clipped any more. Construct with update_in_backward=False to clip by global norm, or set "
+                "max_grad_norm to 0 / inf."
+            )
+        norms, on_device = {}, []
+        for p in self._norm_order:
+            if p in self._plan.norms:
+                norms[p] = self._plan.norms[p]
+            elif p.grad is not None:
+                norms[p] = torch.nn.utils.get_total_norm([p.grad])
+                on_device.append(p)  # clip_grads_with_norm_ takes parameters
+        if not norms:
+            return torch.tensor(0.0, device=self.device)
+        # clip_grad_norm_ stacks per-tensor norms grouped by gradient dtype, in parameter order
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for p, nrm in norms.items():
+            by_dtype.setdefault(p.dtype, []).append(nrm)
+        total = torch.linalg.vector_norm(torch.stack([n for ns in by_dtype.values() for n in ns]), 2.0)
+        if math.isfinite(max_norm) and not self._plan.updated:
+            torch.nn.utils.clip_grads_with_norm_(on_device, max_norm, total)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            self._plan.clip_coef = coef.to(self.device)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Queue the update of every tensor that still has a gradient (on the device or the host).
+
+        With `attach()`, returns without waiting: each layer's next forward waits for its own update.
+        Without, the compute stream waits for all updates before continuing.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._ensure_states()
+        S = self._streams
+        grads_final = S.record(S.compute())  # after backward and any in-place clipping
+        pending = [p for p in self._params if p.grad is not None or p in self._plan.host_grad_ready]
+        if pending:
+            # the clip coefficient and in-place clipped gradients come from the compute stream
+            S.update.wait_event(grads_final)
+            order = {p: i for i, ps in enumerate(self._units) for p in ps}
+            pending.sort(key=lambda p: order.get(p, len(self._units)))
+            for p in pending:
+                self._update_param(p, self._plan.host_grad_ready.get(p, grads_final))
+                self._record_unit_done(p)
+        self._finish_step()
+        return loss
+
+    def _finish_step(self) -> None:
+        S = self._streams
+        self._prev_d2h_done = S.record(S.d2h)
+        self._prev_h2d_done = S.record(S.h2d)
+        orphans = any(p not in self._unit_of for p in self._params)
+        if not self._units or orphans:
+            # No per-layer waits cover these weights: the compute stream waits for every update.
+            S.compute().wait_stream(S.update)
+        self._plan = _StepPlan()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._plan = _StepPlan()
+
+    def synchronize(self) -> None:
+        """Block until every queued copy and update is done (before reading weights or states on the host)."""
+        S = self._streams
+        if S.is_cuda:
+            S.compute().wait_stream(S.update)
+            S.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self):
+        self.synchronize()
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        """Copy a saved state (ours or torchao AdamW8bit's) into the existing host buffers, in place."""
+        self.synchronize()
+        if state_dict["state"]:
+            self._ensure_states()
+        groups, saved = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved)):
+            raise ValueError("optimizer state does not match this model's parameter groups "
+                             "(a checkpoint from a different model or different trainable parameters?)")
+        idmap = {sid: p for g, s in zip(groups, saved) for sid, p in zip(s["params"], g["params"])}
+        for sid, saved_st in state_dict["state"].items():
+            p = idmap[sid]
+            st = self.state[p]
+            for key, val in saved_st.items():
+                dst = st.get(key)
+                if dst is None:
+                    st[key] = val
+                    continue
+                if tuple(dst.shape) != tuple(val.shape):
+                    raise ValueError(f"optimizer state {key!r} has shape {tuple(val.shape)} in the checkpoint "
+                                     f"but {tuple(dst.shape)} here: the checkpoint is from a different model")
+                if isinstance(dst, OptimState8bit) and isinstance(val, OptimState8bit):
+                    dst.codes.copy_(val.codes)
+                    dst.scale.copy_(val.scale)
+                else:
+                    dst.copy_(val)
+        for g, s in zip(groups, saved):
+            for key, val in s.items():
+                if key != "params":
+                    g[key] = val
+
+    def memory_stats(self) -> dict[str, int]:
+        if not self._allocated:
+            return {"host_state_bytes": 0, "pinned_bytes": 0, "gpu_slot_bytes": 0}
+        host = sum(t.numel() * t.element_size() for t in (self._host_codes, self._host_scales) if t is not None)
+        host += self._host_grads.numel() * self._host_grads.element_size() if self._host_grads is not None else 0
+        slots = sum(t.numel() * t.element_size() for s in self._slots
+                    for t in (s.codes, s.scales, s.grad_bytes) if t is not None)
+        return {"host_state_bytes": host, "pinned_bytes": host if self._streams.is_cuda else 0,
+                "gpu_slot_bytes": slots}
+
+
+class _Handle:
+    def __init__(self, opt: StreamedAdamW8bit):
+        self._opt = opt
+
+    def remove(self) -> None:
+        self._opt.detach()

@@ -1,0 +1,167 @@
+"""OffloadTrainer: `transformers.Trainer` with the streamed 8-bit AdamW and chunked loss wired in.
+
+A thin shell over the mechanisms (optim.py, loss.py), through the Trainer's seams: `create_optimizer`,
+`training_step`, `compute_loss`, `log`, `save_model`, `evaluate`, and the two private clip hooks
+`_clip_grad_norm` / `_get_grad_norm` (there is no public seam for clipping; the streamed optimizer must
+clip gradients that may already sit in host memory). `OffloadMixin` carries it all, so TRL's
+`SFTTrainer` gets the same with `class OffloadSFTTrainer(OffloadMixin, SFTTrainer)`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+
+import torch
+from torch import nn
+from transformers import Trainer
+
+from .args import OffloadTrainingArguments
+from .loss import chunked_causal_lm_loss
+from .optim import StreamedAdamW8bit
+
+logger = logging.getLogger("offload_trainer")
+def _own_default(name: str):
+    return next(f.default for f in dataclasses.fields(OffloadTrainingArguments) if f.name == name)
+
+
+def apply_gpu_memory_limit(gib: float | None) -> None:
+    """Cap this process's CUDA memory at `gib` GiB (emulates a smaller card on a bigger one)."""
+    if not gib or not torch.cuda.is_available():
+        return
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if gib * 2**30 > total:
+        raise ValueError(f"gpu_memory_limit_gb={gib} is more than this GPU has ({total / 2**30:.1f} GiB)")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
+
+
+def _head_and_decoder(model: nn.Module):
+    """(decoder, lm_head) when the chunked loss can reproduce the model's own loss exactly, else None."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    decoder = getattr(inner, getattr(inner, "base_model_prefix", ""), None)
+    cfg = getattr(inner, "config", None)
+    special = any(getattr(cfg, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    if type(head) is not nn.Linear or decoder is None or decoder is inner or special:
+        return None
+    return decoder, head
+
+
+class OffloadMixin:
+    """Mix into a `transformers.Trainer` subclass (before it): `class T(OffloadMixin, Trainer)`."""
+
+    def __init__(self, *args, **kwargs):
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        apply_gpu_memory_limit(getattr(training_args, "gpu_memory_limit_gb", None))
+        super().__init__(*args, **kwargs)
+        self._offload_opt: StreamedAdamW8bit | None = None
+        self._tokens_since_log = 0
+        self._last_log_time = time.perf_counter()
+        self._last_bytes = 0
+
+    def _flag(self, name: str):
+        # A plain TrainingArguments (a script that only swapped Trainer for OffloadTrainer) gets our defaults.
+        return getattr(self.args, name, _own_default(name))
+
+    # -------------------------------------------------------------- optimizer
+    def create_optimizer(self, model=None):
+        if not self._flag("offload_optimizer"):
+            return super().create_optimizer(model)
+        if self.optimizer is None:
+            model = model if model is not None else self.model
+            decay = set(self.get_decay_parameter_names(model))
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
+            clip = self.args.max_grad_norm is not None and self.args.max_grad_norm > 0
+            self._offload_opt = StreamedAdamW8bit(
+                [g for g in groups if g["params"]],
+                lr=self.args.learning_rate,
+                betas=(self.args.adam_beta1, self.args.adam_beta2),
+                eps=self.args.adam_epsilon,
+                weight_decay=self.args.weight_decay,
+                bf16_stochastic_round=self._flag("master_weights") == "bf16_sr",
+                update_in_backward=not clip,
+                offload_gradients=clip and self._flag("offload_gradients"),
+                chunk_numel=self._flag("offload_chunk_numel"),
+                inflight_chunks=self._flag("offload_inflight_chunks"),
+            )
+            self._offload_opt.attach(model)
+            self.optimizer = self._offload_opt
+            mode = "after backward, clipped to max_grad_norm" if clip else "during backward (no clipping)"
+            logger.info("optimizer: AdamW, 8-bit states in %s memory, updates streamed %s",
+                        "pinned CPU" if self._offload_opt.device.type == "cuda" else "CPU", mode)
+        return self.optimizer
+
+    def _clip_grad_norm(self, model):
+        if self._offload_opt is None:
+            return super()._clip_grad_norm(model)
+        return self._offload_opt.clip_grad_norm_(self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self._offload_opt is None:
+            return super()._get_grad_norm(model, grad_norm)
+        if grad_norm is None:  # no clipping: the norm the hooks measured before each update
+            grad_norm = self._offload_opt.clip_grad_norm_(float("inf"))
+        return grad_norm
+
+    # -------------------------------------------------------------- step and loss
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self._tokens_since_log += int(inputs["input_ids"].numel()) if "input_ids" in inputs else 0
+        accumulate = self._offload_opt is not None and not self.accelerator.sync_gradients
+        with self._offload_opt.no_update() if accumulate else contextlib.nullcontext():
+            return super().training_step(model, inputs, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        chunk = self._flag("loss_chunk_size")
+        parts = _head_and_decoder(self.accelerator.unwrap_model(model)) if chunk else None
+        usable = (parts is not None and not return_outputs and "labels" in inputs and self.label_smoother is None
+                  and self.compute_loss_func is None and self.accelerator.num_processes == 1)
+        if not usable:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        decoder, head = parts
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        hidden = decoder(**inputs)[0]
+        if not self.model_accepts_loss_kwargs:
+            num_items_in_batch = None  # as the Trainer does: the model's loss would be a per-batch mean
+        return chunked_causal_lm_loss(hidden, labels, head.weight, head.bias, chunk_size=chunk,
+                                      num_items_in_batch=num_items_in_batch)
+
+    # -------------------------------------------------------------- weights read outside forward
+    def save_model(self, output_dir=None, _internal_call=False):
+        if self._offload_opt is not None:
+            self._offload_opt.synchronize()  # updates may still be in flight on the update stream
+        return super().save_model(output_dir, _internal_call)
+
+    def evaluate(self, *args, **kwargs):
+        if self._offload_opt is not None:
+            self._offload_opt.synchronize()
+        return super().evaluate(*args, **kwargs)
+
+    # -------------------------------------------------------------- logs
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:  # a training log: add throughput and memory
+            now = time.perf_counter()
+            dt = max(now - self._last_log_time, 1e-9)
+            logs["tok_per_s"] = round(self._tokens_since_log / dt, 1)
+            if torch.cuda.is_available():
+                logs["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            if self._offload_opt is not None and self._offload_opt.device.type == "cuda":
+                stats = self._offload_opt.stats
+                moved = stats["h2d_bytes"] + stats["d2h_bytes"]
+                logs["pcie_gb_per_s"] = round((moved - self._last_bytes) / dt / 1e9, 2)
+                logs["host_pinned_gib"] = round(self._offload_opt.memory_stats()["pinned_bytes"] / 2**30, 2)
+                self._last_bytes = moved
+            logger.info("step %d | loss %.4f | %.0f tok/s | gpu peak %s GiB", self.state.global_step,
+                        logs["loss"], logs["tok_per_s"], logs.get("gpu_peak_gib", "-"))
+            self._tokens_since_log = 0
+            self._last_log_time = now
+        super().log(logs, start_time)
+
+
+class OffloadTrainer(OffloadMixin, Trainer):
+    """Drop-in replacement for `transformers.Trainer`."""

@@ -1,0 +1,25 @@
+import json
+import os
+
+from offload_trainer import cli
+
+CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny-cpu.yaml")
+
+
+def test_train_tiny_config_end_to_end(tmp_path):
+    out = tmp_path / "run"
+    rc = cli.main(["train", CONFIG, "max_steps=6", "save_steps=6", "logging_steps=3", f"output_dir={out}"])
+    assert rc == 0
+    assert (out / "checkpoint-6" / "optimizer.pt").exists()
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 6
+    losses = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert len(losses) == 2 and losses[1] < losses[0]
+    assert (out / "model.safetensors").exists()
+
+
+def test_keys_lists_our_fields_with_help(capsys):
+    assert cli.main(["keys"]) == 0
+    out = capsys.readouterr().out
+    assert "offload_optimizer\n    Keep AdamW states 8-bit" in out
+    assert "learning_rate\n    (TrainingArguments)" in out

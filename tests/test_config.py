@@ -1,0 +1,80 @@
+"""Config loading: every shipped config parses; user errors fail before any model is loaded."""
+import glob
+import os
+
+import pytest
+
+from offload_trainer import cli
+from offload_trainer.config import ConfigError, load_config, parse_args
+
+CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Any attempt to load a model fails the test: errors must come first."""
+    import offload_trainer.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the config error was reported")
+
+    monkeypatch.setattr(models, "load_model", boom)
+    monkeypatch.setattr(models, "load_tokenizer", boom)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_shipped_config_loads(path):
+    model_args, data_args, training_args = parse_args(load_config(path))
+    assert training_args.output_dir
+    assert (model_args.model_name_or_path is None) != (model_args.model_config is None)
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return str(p)
+
+
+BASE = "model_config: tiny-llama\noutput_dir: {out}\n"
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("learning_rat: 1e-3\n", "unknown key 'learning_rat'. Did you mean 'learning_rate'?"),
+    ("max_steps: ten\n", "key 'max_steps' = 'ten' (str) has the wrong type; expected int"),
+    ("offload_optimizer: 3\n", "key 'offload_optimizer' = 3 (int) has the wrong type; expected bool"),
+    ("dataset_path: /nonexistent/data.jsonl\n", "file '/nonexistent/data.jsonl' does not exist"),
+    ("model_name_or_path: ./no/such/model\n", "directory './no/such/model' does not exist"),
+    ("optim: sgd\n", "offload_optimizer=True streams 8-bit AdamW states, but optim='sgd'"),
+    ("offload_chunk_numel: 1000\n", "offload_chunk_numel=1000: use a multiple of 256"),
+    ("max_steps: [1\n", "(while parsing a flow sequence at line 3)"),
+])
+def test_user_errors_name_the_key_and_fail_before_model_load(tmp_path, capsys, no_model_load, body, needle):
+    path = write(tmp_path, BASE.format(out=tmp_path / "out") + body)
+    assert cli.main(["train", path]) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_override_typo_and_type(tmp_path, capsys, no_model_load):
+    path = write(tmp_path, BASE.format(out=tmp_path / "out"))
+    assert cli.main(["train", path, "max_step=3"]) == 2
+    assert "unknown key 'max_step'. Did you mean 'max_steps'?" in capsys.readouterr().err
+    assert cli.main(["train", path, "learning_rate=fast"]) == 2
+    assert "'learning_rate' = 'fast'" in capsys.readouterr().err
+
+
+def test_overrides_are_typed_yaml_scalars(tmp_path):
+    cfg = load_config(write(tmp_path, BASE.format(out=tmp_path)), ["max_steps=7", "learning_rate=1e-4", "bf16=false"])
+    assert cfg["max_steps"] == 7 and cfg["learning_rate"] == 1e-4 and cfg["bf16"] is False
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("no-such.yaml")
+
+
+def test_model_source_must_be_exactly_one(tmp_path):
+    with pytest.raises(ConfigError, match="exactly one of"):
+        parse_args(load_config(write(tmp_path, f"output_dir: {tmp_path}\n")))

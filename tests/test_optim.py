@@ -1,0 +1,183 @@
+"""StreamedAdamW8bit against torchao AdamW8bit (the reference), on CPU; the `gpu` tests repeat it on CUDA."""
+import contextlib
+import math
+
+import pytest
+import torch
+from torchao.optim import AdamW8bit
+
+from offload_trainer.optim import StreamedAdamW8bit, forward_units
+from tiny_models import TinyLM, param_groups
+
+LR, BETAS, WD = 3e-3, (0.9, 0.95), 0.1
+
+
+def cosine(opt, steps, warmup=5):
+    def f(s):
+        if s < warmup:
+            return (s + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+    return torch.optim.lr_scheduler.LambdaLR(opt, f)
+
+
+def run(model, opt, *, steps, accum, max_norm, seed, streamed, device, order="model"):
+    """Fresh random batches every micro-step; returns losses and grad norms."""
+    sched = cosine(opt, steps)
+    gen = torch.Generator().manual_seed(seed)
+    losses, norms = [], []
+    for _ in range(steps):
+        for micro in range(accum):
+            ids = torch.randint(0, 128, (4, 17), generator=gen).to(device)
+            last = micro == accum - 1
+            ctx = opt.no_update() if streamed and not last else contextlib.nullcontext()
+            with ctx:
+                loss = model.loss(ids) / accum
+                loss.backward()
+            losses.append(loss.item())
+        if max_norm:
+            if streamed:
+                norms.append(float(opt.clip_grad_norm_(max_norm)))
+            else:  # without attach(), the streamed optimizer sums norms in param-group order
+                params = [p for g in opt.param_groups for p in g["params"]] if order == "groups" else model.parameters()
+                norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return losses, norms
+
+
+def make_pair(device, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    ref = TinyLM().to(device=device, dtype=dtype)
+    ours = TinyLM().to(device=device, dtype=dtype)
+    ours.load_state_dict(ref.state_dict())
+    ref_opt = AdamW8bit(param_groups(ref), lr=LR, betas=BETAS, bf16_stochastic_round=False)
+    opt = StreamedAdamW8bit(param_groups(ours), lr=LR, betas=BETAS, bf16_stochastic_round=False,
+                            chunk_numel=kw.pop("chunk_numel", 4096), inflight_chunks=2, **kw)
+    return ref, ref_opt, ours, opt
+
+
+def rel_l2(a: torch.nn.Module, b: torch.nn.Module) -> float:
+    num = sum((x.detach().float() - y.detach().float()).pow(2).sum() for x, y in zip(a.parameters(), b.parameters()))
+    den = sum(x.detach().float().pow(2).sum() for x in a.parameters())
+    return float((num / den).sqrt())
+
+
+MODES = {
+    # name: (optimizer kwargs, attach hooks, max_grad_norm)
+    "step_only_clip": (dict(), False, 0.5),
+    "offload_grads_clip": (dict(offload_gradients=True), True, 0.5),
+    "hooks_grads_on_device_clip": (dict(), True, 0.5),
+    "update_in_backward": (dict(update_in_backward=True), True, 0.0),
+}
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_matches_torchao_adamw8bit_cpu(mode):
+    kw, attach, max_norm = MODES[mode]
+    ref, ref_opt, ours, opt = make_pair("cpu", **kw)
+    if attach:
+        opt.attach(ours)
+    ref_losses, ref_norms = run(ref, ref_opt, steps=50, accum=2, max_norm=max_norm, seed=1, streamed=False,
+                                device="cpu", order="model" if attach else "groups")
+    losses, norms = run(ours, opt, steps=50, accum=2, max_norm=max_norm, seed=1, streamed=True, device="cpu")
+    if max_norm:
+        assert max(ref_norms) > max_norm, "the test must make clipping happen"
+        assert norms == ref_norms
+    assert losses == ref_losses
+    assert rel_l2(ref, ours) == 0.0  # same eager arithmetic on CPU: bit-identical
+
+
+def test_state_dict_is_torchao_layout_and_round_trips():
+    ref, ref_opt, ours, opt = make_pair("cpu")
+    run(ours, opt, steps=3, accum=1, max_norm=0, seed=2, streamed=True, device="cpu")
+    run(ref, ref_opt, steps=3, accum=1, max_norm=0, seed=2, streamed=False, device="cpu")
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    assert sd["state"].keys() == ref_sd["state"].keys()
+    for k in sd["state"]:
+        for name in ("step", "exp_avg", "exp_avg_sq"):
+            a, b = sd["state"][k][name], ref_sd["state"][k][name]
+            assert type(a) is type(b) and a.shape == b.shape
+            assert torch.equal(a.dequantize() if hasattr(a, "dequantize") else a,
+                               b.dequantize() if hasattr(b, "dequantize") else b)
+    # a torchao state dict loads into ours (in place, into the existing host buffers)
+    codes = opt.state[next(iter(opt._offset))]["exp_avg"].codes
+    ptr = codes.data_ptr()
+    opt.load_state_dict(ref_sd)
+    assert opt.state[next(iter(opt._offset))]["exp_avg"].codes.data_ptr() == ptr
+
+
+def test_load_state_dict_from_other_model_fails_clearly():
+    _, _, ours, opt = make_pair("cpu")
+    other = TinyLM(d=32)
+    other_opt = StreamedAdamW8bit(param_groups(other), lr=LR)
+    run(other, other_opt, steps=1, accum=1, max_norm=0, seed=3, streamed=True, device="cpu")
+    with pytest.raises(ValueError, match="different model"):
+        opt.load_state_dict(other_opt.state_dict())
+
+
+def test_clip_after_update_in_backward_is_an_error():
+    _, _, ours, opt = make_pair("cpu", update_in_backward=True)
+    opt.attach(ours)
+    ours.loss(torch.randint(0, 128, (2, 9))).backward()
+    with pytest.raises(RuntimeError, match="update_in_backward=False"):
+        opt.clip_grad_norm_(1.0)
+    assert float(opt.clip_grad_norm_(float("inf"))) > 0  # the norm itself is still reported
+
+
+def test_gradients_are_freed_during_backward():
+    _, _, ours, opt = make_pair("cpu", offload_gradients=True)
+    opt.attach(ours)
+    ours.loss(torch.randint(0, 128, (2, 9))).backward()
+    big = [p for p in ours.parameters() if p in opt._offset]
+    assert big and all(p.grad is None for p in big)  # moved to the host buffer during backward
+
+
+def test_frozen_parameters_get_no_state():
+    model = TinyLM()
+    model.embed.weight.requires_grad_(False)
+    opt = StreamedAdamW8bit(model.parameters(), lr=LR)
+    assert model.embed.weight not in opt.state
+    before = model.embed.weight.clone()
+    model.loss(torch.randint(0, 128, (2, 9))).backward()
+    opt.step()
+    assert torch.equal(before, model.embed.weight)
+
+
+def test_forward_units_of_a_causal_lm():
+    m = TinyLM(n_layers=3)
+    units = forward_units(m)
+    assert units == [m.embed, *m.layers, m.head]
+
+
+def fixed_batch_steps(model, opt, steps=80):
+    ids = torch.randint(0, 128, (8, 17), generator=torch.Generator().manual_seed(4))
+    for _ in range(steps):  # one batch: the gradient keeps its direction, so the weights really move
+        model.loss(ids).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_bf16_weights_stochastic_rounding_follows_fp32_reference():
+    """With updates far below a bf16 ulp, round-to-nearest loses them; stochastic rounding keeps them
+    on average: the bf16 run's weight change tracks the fp32-weight reference's change much better."""
+    torch.manual_seed(0)
+    ref = TinyLM()
+    start = {k: v.to(torch.bfloat16).float() for k, v in ref.state_dict().items()}
+    ref.load_state_dict(start)  # start from bf16-representable weights so only the updates differ
+    moved = {}
+    for sr in (True, False):
+        m = TinyLM().to(torch.bfloat16)
+        m.load_state_dict(start)
+        opt = StreamedAdamW8bit(param_groups(m), lr=1e-4, betas=BETAS, bf16_stochastic_round=sr, chunk_numel=4096)
+        fixed_batch_steps(m, opt)
+        moved[sr] = {k: v.float() - start[k] for k, v in m.state_dict().items()}
+    ref_opt = AdamW8bit(param_groups(ref), lr=1e-4, betas=BETAS)
+    fixed_batch_steps(ref, ref_opt)
+    want = {k: v.detach() - start[k] for k, v in ref.state_dict().items()}
+
+    def err(d):
+        num = sum((d[k] - want[k]).pow(2).sum() for k in want)
+        return float((num / sum(w.pow(2).sum() for w in want.values())).sqrt())
+
+    assert err(moved[True]) < 0.6 * err(moved[False])

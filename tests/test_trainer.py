@@ -1,0 +1,96 @@
+"""OffloadTrainer as a drop-in Trainer: same script, streamed optimizer, exact resume."""
+import json
+import os
+
+import pytest
+import torch
+from transformers import TrainerCallback, TrainingArguments
+
+from helpers import tiny_setup
+from offload_trainer import OffloadTrainer, OffloadTrainingArguments, StreamedAdamW8bit
+
+
+def losses_of(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_script_written_for_trainer_runs_unchanged(tmp_path):
+    """A plain `Trainer` script (TrainingArguments and all) with only the class name swapped."""
+    model, tok, train = tiny_setup()
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=4,
+                             learning_rate=3e-3, logging_steps=4, save_strategy="no", report_to="none")
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=train, processing_class=tok)
+    trainer.train()
+    assert isinstance(trainer._offload_opt, StreamedAdamW8bit)  # it did not silently fall back
+    losses = losses_of(trainer)
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    logged = [h for h in trainer.state.log_history if "loss" in h][-1]
+    assert logged["tok_per_s"] > 0 and logged["grad_norm"] > 0
+
+
+def test_offload_off_is_the_plain_trainer(tmp_path):
+    model, tok, train = tiny_setup()
+    args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=2, offload_optimizer=False,
+                                    optim="sgd", save_strategy="no", report_to="none")
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
+    trainer.train()
+    assert trainer._offload_opt is None
+    assert isinstance(trainer.optimizer.optimizer, torch.optim.SGD)
+
+
+def test_chunked_loss_matches_model_loss_in_trainer():
+    model, tok, train = tiny_setup()
+    batch = {k: torch.stack([train[i][k] for i in range(3)]) for k in train[0]}
+    batch["labels"][0, :10] = -100
+    args = OffloadTrainingArguments(output_dir="unused", loss_chunk_size=50, report_to="none")
+    trainer = OffloadTrainer(model=model, args=args)
+    ours = trainer.compute_loss(model, dict(batch))
+    ref = model(**batch).loss
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    ours_n = trainer.compute_loss(model, dict(batch), num_items_in_batch=torch.tensor(77))
+    ref_n = model(**batch, num_items_in_batch=torch.tensor(77)).loss
+    torch.testing.assert_close(ours_n, ref_n, rtol=1e-5, atol=1e-6)
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def make_args(out, **kw):
+    base = dict(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=3, max_grad_norm=0.5,
+                logging_steps=1, save_steps=20, max_steps=40, report_to="none", seed=0, data_seed=0)
+    base.update(kw)
+    return OffloadTrainingArguments(**base)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
+def test_resume_at_20_gives_identical_losses_to_40(tmp_path, max_grad_norm):
+    model, tok, train = tiny_setup(seq=32)
+    full = OffloadTrainer(model=model, args=make_args(tmp_path / "full", max_grad_norm=max_grad_norm),
+                          train_dataset=train)
+    full.train()
+    want = losses_of(full)
+    assert len(want) == 40
+
+    model, _, _ = tiny_setup(seq=32)
+    first = OffloadTrainer(model=model, args=make_args(tmp_path / "cut", max_grad_norm=max_grad_norm),
+                           train_dataset=train, callbacks=[StopAt(20)])  # same 40-step schedule, stopped at 20
+    first.train()
+    ckpt = tmp_path / "cut" / "checkpoint-20"
+    assert (ckpt / "optimizer.pt").exists()
+
+    model, _, _ = tiny_setup(seq=32, seed=123)  # different init: everything must come from the checkpoint
+    second = OffloadTrainer(model=model, args=make_args(tmp_path / "cut", max_grad_norm=max_grad_norm),
+                            train_dataset=train)
+    second.train(resume_from_checkpoint=str(ckpt))
+    assert losses_of(first) == want[:20]
+    got = losses_of(second)  # its log history starts with the 20 steps restored from the checkpoint
+    assert got == want  # CPU: exact
+    state = json.loads((tmp_path / "cut" / "checkpoint-40" / "trainer_state.json").read_text())
+    assert state["global_step"] == 40
