@@ -1,0 +1,187 @@
+"""One training-step benchmark row: a random-init model shape, one system, on one GPU.
+
+    python bench/step_bench.py SYSTEM MODEL [--bs 4] [--seq 2048] [--cap 24] [--steps 6] [--out rows.jsonl]
+
+SYSTEM:
+  native               all on the GPU, torch fused AdamW, full-logits loss (no cap)
+  native_clip          the same with clip_grad_norm_(1.0) (what HF Trainer does by default)
+  offload_trainer      StreamedAdamW8bit, exact clipping at 1.0, gradients offloaded, chunked loss
+  offload_trainer_noclip  StreamedAdamW8bit, updates during backward (max_grad_norm 0), chunked loss
+  torchao_cpu_offload  torchao CPUOffloadOptimizer(AdamW fused, offload_gradients=True)
+
+All systems: bf16 weights, SDPA, non-reentrant gradient checkpointing, random tokens, labels = inputs.
+Every system runs in its own process (run_all.sh), so caps and allocator state do not leak between rows.
+Writes one JSON row per run in the format of RESULTS.md (bench/results/).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+
+
+def host_peak_gib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    return float("nan")
+
+
+def gpu_idle_ms(step_fn) -> dict:
+    """Profile one step: time the compute stream sat idle (wall time minus the union of its kernels)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step_fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    by_stream: dict[int, list[tuple[int, int]]] = {}
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0:
+            by_stream.setdefault(e.device_resource_id(), []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
+
+    def union(iv):
+        iv.sort()
+        total, cur_s, cur_e = 0, None, None
+        for s, e in iv:
+            if cur_e is None or s > cur_e:
+                total += (cur_e - cur_s) if cur_e is not None else 0
+                cur_s, cur_e = s, e
+            else:
+                cur_e = max(cur_e, e)
+        return total + ((cur_e - cur_s) if cur_e is not None else 0)
+
+    busy = {sid: union(iv) / 1e6 for sid, iv in by_stream.items()}
+    main = max(busy, key=busy.get) if busy else None  # the compute stream is the busiest one
+    return {"profiled_step_ms": round(wall * 1e3, 1),
+            "compute_stream_busy_ms": round(busy.get(main, 0.0), 1),
+            "gpu_idle_ms": round(wall * 1e3 - busy.get(main, 0.0), 1),
+            "stream_busy_ms": {str(k): round(v, 1) for k, v in busy.items()}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("system")
+    ap.add_argument("model")
+    ap.add_argument("--bs", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--cap", type=float, default=0.0)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--loss-chunk", type=int, default=1024)
+    ap.add_argument("--grads-on-gpu", action="store_true", help="offload_trainer: keep gradients on the GPU")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
+    a = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from offload_trainer.loss import chunked_causal_lm_loss
+    from offload_trainer.models import architecture_config
+    from offload_trainer.optim import StreamedAdamW8bit
+
+    if a.cap:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(a.cap * 2**30 / total)
+    cfg = architecture_config(a.model, {"max_position_embeddings": max(8192, a.seq)})
+    cfg._attn_implementation = "sdpa"
+    cfg.use_cache = False
+    torch.manual_seed(0)
+    row = dict(run_id=a.run_id, commit=os.environ.get("COMMIT", "unknown"),
+               machine=f"{torch.cuda.get_device_name(0)} x1, {os.cpu_count()} cores", model=a.model,
+               method="full", system=a.system, gpus=1, gpu_cap_gib=a.cap or None, seq_len=a.seq,
+               micro_batch=a.bs, grad_accum=1, tokens_per_step=a.bs * a.seq, tok_per_s=None, step_s_median=None,
+               peak_alloc_gib=None, peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None,
+               extra={})
+    opt = None
+    try:
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        row["params"] = sum(p.numel() for p in model.parameters())
+        clip = None
+        if a.system in ("native", "native_clip"):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+            clip = 1.0 if a.system == "native_clip" else None
+        elif a.system == "torchao_cpu_offload":
+            from torchao.optim import CPUOffloadOptimizer
+
+            opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, fused=True,
+                                      lr=1e-5)
+        elif a.system in ("offload_trainer", "offload_trainer_noclip"):
+            noclip = a.system.endswith("noclip")
+            opt = StreamedAdamW8bit(model.parameters(), lr=1e-5, update_in_backward=noclip,
+                                    offload_gradients=not noclip and not a.grads_on_gpu)
+            row["extra"]["offload_gradients"] = opt.offload_gradients
+            opt.attach(model)
+            clip = None if noclip else 1.0
+        else:
+            raise SystemExit(f"unknown system {a.system}")
+        chunked = a.system.startswith("offload_trainer")
+
+        def step():
+            x = torch.randint(0, cfg.vocab_size, (a.bs, a.seq), device="cuda")
+            if chunked:
+                h = model.model(input_ids=x)[0]
+                loss = chunked_causal_lm_loss(h, x, model.lm_head.weight, chunk_size=a.loss_chunk)
+            else:
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            if clip is not None:
+                if isinstance(opt, StreamedAdamW8bit):
+                    opt.clip_grad_norm_(clip)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        times, losses = [], []
+        for i in range(a.warmup + a.steps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            loss = step()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+            losses.append(round(loss.item(), 4))
+            print(f"{a.system} {a.model} step {i}: {times[-1]:.3f} s loss {losses[-1]}", flush=True)
+        timed = times[a.warmup:]
+        med = statistics.median(timed)
+        row.update(tok_per_s=round(a.bs * a.seq / med, 1), step_s_median=round(med, 4))
+        row["extra"].update(step_s=[round(t, 4) for t in times], losses=losses, first_step_s=round(times[0], 2),
+                            tok_per_s_best=round(a.bs * a.seq / min(timed), 1))
+        if isinstance(opt, StreamedAdamW8bit):
+            before = dict(opt.stats)
+            try:
+                row["extra"].update(gpu_idle_ms(step))
+            except Exception as e:  # the profile is extra information, not the measurement
+                row["extra"]["profile_error"] = repr(e)[:200]
+            prof_s = row["extra"].get("profiled_step_ms", med * 1e3) / 1e3
+            moved = {k: opt.stats[k] - before[k] for k in ("h2d_bytes", "d2h_bytes")}
+            row["extra"].update(h2d_gb_per_step=round(moved["h2d_bytes"] / 1e9, 2),
+                                d2h_gb_per_step=round(moved["d2h_bytes"] / 1e9, 2),
+                                pcie_gb_per_s=round((moved["h2d_bytes"] + moved["d2h_bytes"]) / prof_s / 1e9, 1))
+            row["pinned_gib"] = round(opt.memory_stats()["pinned_bytes"] / 2**30, 2)
+    except torch.OutOfMemoryError as e:
+        row["error"] = "OOM: " + str(e).split("\n")[0][:160]
+    row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+    row["host_peak_gib"] = round(host_peak_gib(), 2)
+    print("ROW " + json.dumps(row), flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
