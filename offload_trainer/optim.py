@@ -27,11 +27,46 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from torchao.optim.adam import single_param_adam
+from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
 from .streams import Streams, pinned_empty
 
 __all__ = ["StreamedAdamW8bit", "forward_units"]
+
+
+def adamw8bit_chunk(p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap_signed: Tensor,
+                    qmap_unsigned: Tensor, step: Tensor, lr: Tensor, beta1: float, beta2: float,
+                    weight_decay: float, eps: float, bf16_stochastic_round: bool) -> None:
+    """torchao's `single_param_adam` (AdamW branch) on two `OptimState8bit`s, written over their plain
+    tensors: codes (2, n) uint8 and scales (2, n / block) of exp_avg and exp_avg_sq.
+
+    Same ops in the same order, with torchao's quantization functions, so results are identical; but a
+    compiled call over plain tensors skips the tensor-subclass dispatch, which cost ~1 ms of CPU per call
+    and starved the GPU of backward kernels when called from gradient hooks.
+    """
+    block = codes.shape[1] // scales.shape[1]
+    p_f32 = p.float()
+    grad_f32 = grad.float()
+    p_f32 = p_f32 - lr * weight_decay * p_f32
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    exp_avg_f32 = dequant_with_qmap(codes[0], qmap_signed, scales[0]).lerp(grad_f32, 1 - beta1)
+    exp_avg_sq_f32 = dequant_with_qmap(codes[1], qmap_unsigned, scales[1]).lerp(grad_f32.square(), 1 - beta2)
+    for k, (x, qmap) in enumerate(((exp_avg_f32, qmap_signed), (exp_avg_sq_f32, qmap_unsigned))):
+        scaled, scale = scale_tensor(x, block)  # as OptimState8bit.copy_(float tensor)
+        codes[k].copy_(quantize_8bit_with_qmap(scaled, qmap))
+        scales[k].copy_(scale)
+    denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
+    p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
+    p.copy_(_fp32_to_bf16_sr(p_f32) if bf16_stochastic_round else p_f32)
+
+
+def _grad_norm(g: Tensor) -> Tensor:
+    """The per-tensor norm exactly as clip_grad_norm_ computes it (foreach kernel where the device has one)."""
+    if g.device.type in ("cuda", "xpu"):
+        return torch._foreach_norm([g], 2.0)[0]
+    return torch.linalg.vector_norm(g, 2.0)
 
 
 def forward_units(model: nn.Module) -> list[nn.Module]:
@@ -122,9 +157,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self.device = devices.pop()
         self._streams = Streams(self.device)
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
-        self._step_fn = single_param_adam
+        self._step_fn, self._chunk_fn = single_param_adam, adamw8bit_chunk
         if compile if compile is not None else self.device.type == "cuda":
             self._step_fn = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+            self._chunk_fn = torch.compile(adamw8bit_chunk, fullgraph=True, dynamic=False)
 
         # Host states and GPU slots are allocated at first use, not here: accelerate's prepare() round-trips
         # an optimizer's state dict through the GPU, which must not see gigabytes of host states.
@@ -262,12 +298,12 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._ensure_states()
         S = self._streams
         if self.update_in_backward:
-            self._plan.norms[p] = torch.nn.utils.get_total_norm([p.grad])
+            self._plan.norms[p] = _grad_norm(p.grad)
             self._update_param(p, S.record(S.compute()))
             self._plan.updated.add(p)
             self._record_unit_done(p)
         elif self.offload_gradients and p in self._offset:
-            self._plan.norms[p] = torch.nn.utils.get_total_norm([p.grad])
+            self._plan.norms[p] = _grad_norm(p.grad)
             self._offload_grad(p, S.record(S.compute()))
 
     def _offload_grad(self, p: Tensor, grad_ready) -> None:
@@ -298,7 +334,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         step = st["step"].clone()  # read when each kernel launches; never mutated afterwards
         lr = torch.as_tensor(group["lr"], dtype=torch.float32).clone()  # as step: fixed at queue time
         sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
-        args = (lr, group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], True, sr)
+        hyper = (lr, group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"])
         grad = p.grad
         on_host = grad is None
         if grad is not None:
@@ -308,14 +344,14 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self.stats["updates"] += 1
         if p not in self._offset:
             with S.on(S.update):  # small tensors: states stay on the device, nothing to stream
-                self._step_fn(p.detach(), grad, step, st["exp_avg"], st["exp_avg_sq"], None, *args)
+                self._step_fn(p.detach(), grad, step, st["exp_avg"], st["exp_avg_sq"], None, *hyper, True, sr)
             return
         off, n = self._offset[p], p.numel()
         flat_p = p.detach().view(-1)
         flat_g = None if on_host else grad.view(-1)
         for s in range(0, n, self._slot_chunk):
             e = min(s + self._slot_chunk, n)
-            self._update_chunk(p, off, s, e, flat_p, flat_g, grad_ready if on_host else None, step, args)
+            self._update_chunk(p, off, s, e, flat_p, flat_g, grad_ready if on_host else None, step, (*hyper, sr))
 
     def _update_chunk(self, p, off, s, e, flat_p, flat_g, host_grad_ready, step, args) -> None:
         S, bs, n = self._streams, self.block_size, e - s
@@ -349,9 +385,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                     g = g * self._plan.clip_coef  # bf16 * fp32 scalar -> bf16, as clip_grad_norm_ does in place
             else:
                 g = flat_g[s:e]
-            m = OptimState8bit(codes[0], scales[0], self._qmaps_dev[0], True, dtype=p.dtype)
-            v = OptimState8bit(codes[1], scales[1], self._qmaps_dev[1], False, dtype=p.dtype)
-            self._step_fn(flat_p[s:e], g, step, m, v, None, *args)
+            self._chunk_fn(flat_p[s:e], g, codes, scales, *self._qmaps_dev, step, *args)
         updated = S.record(S.update)
         # 3) D2H: the new states back to the host; the slot is free once this lands
         S.d2h.wait_event(updated)
@@ -380,7 +414,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             if p in self._plan.norms:
                 norms[p] = self._plan.norms[p]
             elif p.grad is not None:
-                norms[p] = torch.nn.utils.get_total_norm([p.grad])
+                norms[p] = _grad_norm(p.grad)
                 on_device.append(p)  # clip_grads_with_norm_ takes parameters
         if not norms:
             return torch.tensor(0.0, device=self.device)

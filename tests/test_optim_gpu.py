@@ -41,7 +41,7 @@ def test_matches_torchao_on_gpu_50_steps(mode, dtype):
     assert err <= 1e-3
 
 
-THIN_WIDE = dict(vocab=64, d=32, hidden=1 << 17, n_layers=2)  # big copies, almost no compute
+THIN_WIDE = dict(vocab=128, d=32, hidden=1 << 17, n_layers=2)  # big copies, almost no compute
 
 
 @pytest.mark.parametrize("mode", list(MODES))
