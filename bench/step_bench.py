@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--loss-chunk", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=2**25, help="offload_trainer: elements per streamed chunk")
     ap.add_argument("--grads-on-gpu", action="store_true", help="offload_trainer: keep gradients on the GPU")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
@@ -121,8 +122,8 @@ def main() -> None:
         elif a.system in ("offload_trainer", "offload_trainer_noclip"):
             noclip = a.system.endswith("noclip")
             opt = StreamedAdamW8bit(model.parameters(), lr=1e-5, update_in_backward=noclip,
-                                    offload_gradients=not noclip and not a.grads_on_gpu)
-            row["extra"]["offload_gradients"] = opt.offload_gradients
+                                    offload_gradients=not noclip and not a.grads_on_gpu, chunk_numel=a.chunk)
+            row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk)
             opt.attach(model)
             clip = None if noclip else 1.0
         else:

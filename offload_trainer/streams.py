@@ -39,7 +39,9 @@ class Streams:
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
             self.h2d = torch.cuda.Stream(device)
-            self.update = torch.cuda.Stream(device)
+            # High priority: the next forward waits for these updates, and without priority the update kernels
+            # get few SMs next to the forward's matmuls (measured 3.5x slower on 8B).
+            self.update = torch.cuda.Stream(device, priority=-1)
             self.d2h = torch.cuda.Stream(device)
         else:
             self.h2d = self.update = self.d2h = _NullStream()

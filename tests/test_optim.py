@@ -43,6 +43,8 @@ def run(model, opt, *, steps, accum, max_norm, seed, streamed, device, order="mo
         opt.step()
         sched.step()
         opt.zero_grad()
+    if streamed:
+        opt.synchronize()  # the last updates may still run on the update stream; we read weights next
     return losses, norms
 
 
