@@ -1,4 +1,6 @@
 """The streamed optimizer on CUDA: real side streams, pinned memory, against torchao AdamW8bit on the GPU."""
+import math
+
 import pytest
 import torch
 from torchao.optim import AdamW8bit
@@ -16,13 +18,13 @@ MODES = {
 }
 
 
-def pair(model_kw, dtype, **kw):
+def pair(model_kw, dtype, lr=LR, **kw):
     torch.manual_seed(0)
     ref = TinyLM(**model_kw).to("cuda", dtype)
     ours = TinyLM(**model_kw).to("cuda", dtype)
     ours.load_state_dict(ref.state_dict())
-    ref_opt = AdamW8bit(param_groups(ref), lr=LR, betas=BETAS, bf16_stochastic_round=False)
-    opt = StreamedAdamW8bit(param_groups(ours), lr=LR, betas=BETAS, bf16_stochastic_round=False,
+    ref_opt = AdamW8bit(param_groups(ref), lr=lr, betas=BETAS, bf16_stochastic_round=False)
+    opt = StreamedAdamW8bit(param_groups(ours), lr=lr, betas=BETAS, bf16_stochastic_round=False,
                             chunk_numel=kw.pop("chunk_numel", 4096), inflight_chunks=2, **kw)
     opt.attach(ours)
     return ref, ref_opt, ours, opt
@@ -42,6 +44,17 @@ def test_matches_torchao_on_gpu_50_steps(mode, dtype):
 
 
 THIN_WIDE = dict(vocab=128, d=32, hidden=1 << 17, n_layers=2)  # big copies, almost no compute
+THIN_LR = 1e-4  # at 3e-3 without clipping the reference itself diverges to NaN on this shape
+
+
+def change_err(ref, ours, start) -> float:
+    """||(ours - start) - (ref - start)|| / ||ref - start||: errors relative to how far the weights moved."""
+    num = den = 0.0
+    for (name, r), o in zip(ref.named_parameters(), ours.parameters()):
+        d = r.detach().float() - start[name]
+        num += float((o.detach().float() - r.detach().float()).pow(2).sum())
+        den += float(d.pow(2).sum())
+    return (num / den) ** 0.5
 
 
 @pytest.mark.parametrize("mode", list(MODES))
@@ -49,22 +62,25 @@ def test_thin_wide_layers_catch_missing_stream_syncs(mode):
     """Copies of 4M-element chunks take far longer than the tiny matmuls: an update that did not wait for
     its H2D copy, or a forward that did not wait for its update, would read stale data and diverge."""
     kw, max_norm = MODES[mode]
-    ref, ref_opt, ours, opt = pair(THIN_WIDE, torch.float32, chunk_numel=1 << 22, **kw)
-    run(ref, ref_opt, steps=10, accum=1, max_norm=max_norm, seed=2, streamed=False, device="cuda")
+    ref, ref_opt, ours, opt = pair(THIN_WIDE, torch.float32, lr=THIN_LR, chunk_numel=1 << 22, **kw)
+    start = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
+    ref_losses, _ = run(ref, ref_opt, steps=10, accum=1, max_norm=max_norm, seed=2, streamed=False, device="cuda")
     run(ours, opt, steps=10, accum=1, max_norm=max_norm, seed=2, streamed=True, device="cuda")
-    assert rel_l2(ref, ours) <= 1e-3
+    assert all(math.isfinite(x) for x in ref_losses)
+    assert change_err(ref, ours, start) <= 1e-3
 
 
 def test_thin_wide_without_syncs_diverges(monkeypatch):
     """Negative control for the test above: with every stream wait_event removed, it must fail."""
     kw, max_norm = MODES["offload_grads_clip"]
-    ref, ref_opt, ours, opt = pair(THIN_WIDE, torch.float32, chunk_numel=1 << 22, **kw)
+    ref, ref_opt, ours, opt = pair(THIN_WIDE, torch.float32, lr=THIN_LR, chunk_numel=1 << 22, **kw)
+    start = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
     run(ref, ref_opt, steps=10, accum=1, max_norm=max_norm, seed=2, streamed=False, device="cuda")
     monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, ev: None)
     run(ours, opt, steps=10, accum=1, max_norm=max_norm, seed=2, streamed=True, device="cuda")
     monkeypatch.undo()
     torch.cuda.synchronize()
-    assert rel_l2(ref, ours) > 1e-3
+    assert change_err(ref, ours, start) > 1e-3
 
 
 def test_resume_mid_run_on_gpu():
