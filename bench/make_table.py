@@ -1,0 +1,33 @@
+"""Markdown table of benchmark rows, with throughput as a ratio to the native row of the same run and shape.
+
+    python bench/make_table.py bench/results/*.json > bench/results/README.md
+"""
+import json
+import sys
+
+
+def main(paths: list[str]) -> None:
+    rows = [r for p in paths for r in json.load(open(p))]
+    native = {(r["run_id"], r["model"], r["seq_len"], r["tokens_per_step"]): r["tok_per_s"]
+              for r in rows if r["system"] == "native" and r["tok_per_s"]}
+    print("| run | commit | model | system | GPU cap | batch x seq | tok/s | vs native | step s | "
+          "peak reserved GiB | host peak GiB | pinned GiB | GPU idle ms (profiled step) | note |")
+    print("|" + " --- |" * 14)
+    for r in rows:
+        base = native.get((r["run_id"], r["model"], r["seq_len"], r["tokens_per_step"]))
+        ratio = f"{r['tok_per_s'] / base:.3f}" if base and r["tok_per_s"] else "-"
+        e = r.get("extra", {})
+        note = r["error"] or ""
+        if r["system"].endswith("noclip"):
+            note = note or "updates during backward, no clipping"
+        elif "offload_gradients" in e:
+            note = note or "clip 1.0, " + ("grads in pinned CPU memory" if e["offload_gradients"] else "grads on GPU")
+        cap = f"{r['gpu_cap_gib']:g}" if r["gpu_cap_gib"] else "-"
+        print(f"| {r['run_id']} | {r['commit']} | {r['model']} | {r['system']} | {cap} | "
+              f"{r['micro_batch']} x {r['seq_len']} | {r['tok_per_s'] or '-'} | {ratio} | {r['step_s_median'] or '-'} | "
+              f"{r['peak_reserved_gib']} | {r['host_peak_gib']} | {r['pinned_gib'] or '-'} | "
+              f"{e.get('gpu_idle_ms', '-')} | {note} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
