@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--loss-chunk", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=2**25, help="offload_trainer: elements per streamed chunk")
     ap.add_argument("--grads-on-gpu", action="store_true", help="offload_trainer: keep gradients on the GPU")
+    ap.add_argument("--act-offload", action="store_true", help="offload_trainer: offload checkpointed activations")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -109,6 +110,12 @@ def main() -> None:
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
+        offloader = None
+        if a.act_offload:
+            from offload_trainer.activations import enable_activation_offload
+
+            offloader = enable_activation_offload(model)
+            row["extra"]["activation_offload"] = True
         row["params"] = sum(p.numel() for p in model.parameters())
         clip = None
         if a.system in ("native", "native_clip"):
@@ -124,6 +131,16 @@ def main() -> None:
             opt = StreamedAdamW8bit(model.parameters(), lr=1e-5, update_in_backward=noclip,
                                     offload_gradients=not noclip and not a.grads_on_gpu, chunk_numel=a.chunk)
             row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk)
+            from offload_trainer.planner import PlanError, plan
+
+            try:
+                p = plan(cfg, batch=a.bs, seq=a.seq, gpu_memory_limit_gb=a.cap or None, max_grad_norm=0.0 if noclip
+                         else 1.0, loss_chunk=a.loss_chunk, chunk_numel=a.chunk, activation_offload=a.act_offload,
+                         offload_gradients=opt.offload_gradients if not noclip else None)
+                row["predicted"] = dict(gpu_peak_gib=round(p.gpu_peak_gib, 2), host_peak_gib=round(p.host_peak_gib, 2),
+                                        step_s=round(p.step_s, 3), fits=True)
+            except PlanError as e:
+                row["predicted"] = dict(fits=False, reason=str(e)[:300])
             opt.attach(model)
             clip = None if noclip else 1.0
         else:
@@ -172,7 +189,8 @@ def main() -> None:
             row["extra"].update(h2d_gb_per_step=round(moved["h2d_bytes"] / 1e9, 2),
                                 d2h_gb_per_step=round(moved["d2h_bytes"] / 1e9, 2),
                                 pcie_gb_per_s=round((moved["h2d_bytes"] + moved["d2h_bytes"]) / prof_s / 1e9, 1))
-            row["pinned_gib"] = round(opt.memory_stats()["pinned_bytes"] / 2**30, 2)
+            row["pinned_gib"] = round((opt.memory_stats()["pinned_bytes"]
+                                       + (offloader.pinned_bytes() if offloader else 0)) / 2**30, 2)
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
     row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

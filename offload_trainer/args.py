@@ -80,11 +80,19 @@ class OffloadTrainingArguments(TrainingArguments):
                           "costs ~4 bytes/param/step of PCIe traffic, hidden behind backward). False: the "
                           "Trainer's own optimizer."},
     )
-    offload_gradients: bool = field(
-        default=False,
+    offload_gradients: bool | None = field(
+        default=None,
         metadata={"help": "With max_grad_norm > 0 the update must wait for the global norm: keep the gradients "
                           "in pinned CPU memory meanwhile (saves 2 bytes/param of GPU memory, costs 4 bytes/param "
-                          "of PCIe traffic per step). Needed for 8B on 24 GiB."},
+                          "of PCIe traffic per step; needed for 8B on 24 GiB). Unset: the planner decides when "
+                          "gpu_memory_limit_gb is given, else off."},
+    )
+    activation_offload: bool | None = field(
+        default=None,
+        metadata={"help": "Keep checkpointed layer inputs in pinned CPU memory, copied on side streams and "
+                          "prefetched before each layer's recompute (saves layers x tokens x hidden x 2 bytes of "
+                          "GPU memory; needs gradient_checkpointing). Unset: the planner decides when "
+                          "gpu_memory_limit_gb is given, else off."},
     )
     offload_chunk_numel: int = field(
         default=2**25,
@@ -132,5 +140,8 @@ class OffloadTrainingArguments(TrainingArguments):
                              f"(one slot copying while one updates)")
         if self.loss_chunk_size < 0:
             raise ValueError(f"loss_chunk_size={self.loss_chunk_size}: use 0 (off) or a positive token count")
+        if self.activation_offload and not (self.gradient_checkpointing or getattr(self, "activation_checkpointing", False)):
+            raise ValueError("activation_offload offloads the inputs that gradient checkpointing keeps: "
+                             "set gradient_checkpointing: true as well")
         if self.gpu_memory_limit_gb is not None and self.gpu_memory_limit_gb <= 0:
             raise ValueError(f"gpu_memory_limit_gb={self.gpu_memory_limit_gb}: give a positive number of GiB")

@@ -17,25 +17,55 @@ from .data import DataError
 logger = logging.getLogger("offload_trainer")
 
 
+def model_config_of(model_args):
+    """The model's config without its weights (a named architecture, or config.json of a checkpoint)."""
+    from .models import architecture_config
+
+    if model_args.model_config:
+        return architecture_config(model_args.model_config, model_args.model_overrides)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_args.model_name_or_path)
+
+
+def make_plan(model_args, data_args, training_args):
+    from .planner import PlanError, host_memory_gib, plan_from_args
+
+    try:
+        return plan_from_args(training_args, model_config_of(model_args), data_args.max_seq_length,
+                              host_gb=host_memory_gib())
+    except PlanError as e:
+        raise ConfigError(f"{e}") from None
+
+
+def plan_command(config: str, overrides: list[str], as_json: bool) -> None:
+    cfg = load_config(config, overrides)
+    model_args, data_args, training_args = parse_args(cfg)
+    p = make_plan(model_args, data_args, training_args)
+    if as_json:
+        import json
+
+        print(json.dumps(p.as_dict(), indent=1))
+    else:
+        print(p.table())
+
+
 def train(config: str, overrides: list[str]) -> str:
     """Train from a YAML config; returns the output directory."""
     cfg = load_config(config, overrides)  # every check that needs no model happens here
     model_args, data_args, training_args = parse_args(cfg)
+    if training_args.offload_optimizer:
+        make_plan(model_args, data_args, training_args)  # refuses a plan that cannot fit, before any weights
 
     from transformers import set_seed
 
     from .data import build_datasets
-    from .models import architecture_config, count_params, load_model, load_tokenizer
+    from .models import count_params, load_model, load_tokenizer
     from .trainer import OffloadTrainer
 
     set_seed(training_args.seed)
     tokenizer = load_tokenizer(model_args)
-    if model_args.model_config:
-        vocab = architecture_config(model_args.model_config, model_args.model_overrides).vocab_size
-    else:
-        from transformers import AutoConfig
-
-        vocab = AutoConfig.from_pretrained(model_args.model_name_or_path).vocab_size
+    vocab = model_config_of(model_args).vocab_size
     train_ds, eval_ds = build_datasets(data_args, tokenizer, vocab_size=vocab, seed=training_args.seed)
     logger.info("data: %d training sequences of %d tokens%s", len(train_ds), data_args.max_seq_length,
                 f", {len(eval_ds)} held out" if eval_ds else "")
@@ -72,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     p_train = sub.add_parser("train", help="train from a YAML config")
     p_train.add_argument("config", help="YAML config, e.g. configs/tiny-cpu.yaml")
     p_train.add_argument("overrides", nargs="*", help="key=value overrides, e.g. max_steps=10")
+    p_plan = sub.add_parser("plan", help="predict GPU/host memory and step time of a config; refuse if it cannot fit")
+    p_plan.add_argument("config")
+    p_plan.add_argument("overrides", nargs="*")
+    p_plan.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("keys", help="list every config key with its help")
     args = parser.parse_args(argv)
 
@@ -80,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "keys":
             print_keys()
+        elif args.command == "plan":
+            plan_command(args.config, args.overrides, args.json)
         else:
             train(args.config, args.overrides)
     except (ConfigError, DataError) as e:

@@ -17,9 +17,11 @@ import torch
 from torch import nn
 from transformers import Trainer
 
+from .activations import enable_activation_offload
 from .args import OffloadTrainingArguments
 from .loss import chunked_causal_lm_loss
 from .optim import StreamedAdamW8bit
+from .planner import Plan, PlanError, plan_from_args
 
 logger = logging.getLogger("offload_trainer")
 def _own_default(name: str):
@@ -59,10 +61,41 @@ class OffloadMixin:
         self._tokens_since_log = 0
         self._last_log_time = time.perf_counter()
         self._last_bytes = 0
+        self._plan: Plan | None = None
+        self._activations = None
 
     def _flag(self, name: str):
         # A plain TrainingArguments (a script that only swapped Trainer for OffloadTrainer) gets our defaults.
         return getattr(self.args, name, _own_default(name))
+
+    # -------------------------------------------------------------- plan
+    def train(self, *args, **kwargs):
+        self._make_plan()
+        return super().train(*args, **kwargs)
+
+    def _make_plan(self) -> None:
+        """Run the planner once (logged), and let it decide the switches left unset."""
+        if self._plan is not None or not self._flag("offload_optimizer"):
+            return
+        config = getattr(self.model, "config", None)
+        sample = self.train_dataset[0] if self.train_dataset is not None and len(self.train_dataset) else None
+        if config is None or not isinstance(sample, dict) or "input_ids" not in sample:
+            return
+        try:
+            self._plan = plan_from_args(self.args, config, len(sample["input_ids"]))
+        except (AttributeError, TypeError):  # not a decoder-only LM config the planner knows
+            return
+        except PlanError:
+            if getattr(self.args, "gpu_memory_limit_gb", None):
+                raise
+            return
+        logger.info("plan:\n%s", self._plan.table())
+
+    def _resolved(self, name: str) -> bool:
+        value = self._flag(name)
+        if value is None and self._plan is not None:
+            value = getattr(self._plan, name)
+        return bool(value)
 
     # -------------------------------------------------------------- optimizer
     def create_optimizer(self, model=None):
@@ -85,7 +118,7 @@ class OffloadMixin:
                 weight_decay=self.args.weight_decay,
                 bf16_stochastic_round=self._flag("master_weights") == "bf16_sr",
                 update_in_backward=not clip,
-                offload_gradients=clip and self._flag("offload_gradients"),
+                offload_gradients=clip and self._resolved("offload_gradients"),
                 chunk_numel=self._flag("offload_chunk_numel"),
                 inflight_chunks=self._flag("offload_inflight_chunks"),
             )
@@ -110,6 +143,10 @@ class OffloadMixin:
 
     # -------------------------------------------------------------- step and loss
     def training_step(self, model, inputs, num_items_in_batch=None):
+        checkpointing = self.args.gradient_checkpointing or getattr(self.args, "activation_checkpointing", False)
+        if self._resolved("activation_offload") and checkpointing:
+            # train() re-enables plain checkpointing before the loop: (re)install ours on top, once per train()
+            self._activations = enable_activation_offload(self.accelerator.unwrap_model(model))
         self._tokens_since_log += int(inputs["input_ids"].numel()) if "input_ids" in inputs else 0
         accumulate = self._offload_opt is not None and not self.accelerator.sync_gradients
         with self._offload_opt.no_update() if accumulate else contextlib.nullcontext():

@@ -1,0 +1,275 @@
+"""Memory planner: predict GPU peak, host peak, PCIe traffic and step time of a full finetune before any
+weight is loaded, pick what to offload for a GPU budget, and refuse plans that cannot fit.
+
+Inputs are a model config (anything with `hidden_size`, `intermediate_size`, `num_hidden_layers`,
+`num_attention_heads`, `num_key_value_heads`, `vocab_size`: a transformers config or a plain namespace),
+the micro-batch shape and the budgets. The model of memory is the sum of what the step holds (weights,
+streamed-optimizer slots, checkpointed layer inputs) plus the largest transient phase (loss chunk and
+LM-head gradient at the start of backward; one layer's recompute and gradients in the middle), plus the
+allocator's slack, with constants calibrated on the H200 runs in bench/results (see `Machine`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+GiB = 2**30
+
+
+class PlanError(ValueError):
+    """No plan fits: the message says which knob to change and by how much."""
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Rates and constants of the machine. Defaults: measured on one H200 + PCIe Gen5 (bench/results)."""
+
+    h2d_gb_s: float = 51.0  # pinned host -> GPU, one direction, while the other runs too
+    d2h_gb_s: float = 51.0
+    train_flops: float = 5.2e14  # bf16 FLOP/s of a checkpointed train step (model FLOPs, incl. recompute)
+    cpu_s_per_chunk: float = 3.5e-4  # Python + launch cost of one streamed chunk update
+    cuda_context_gib: float = 0.7  # taken from the card outside PyTorch's allocator
+    update_ns_per_param: float = 0.021  # the 8-bit AdamW update kernel on the GPU
+    backward_inflation: float = 1.08  # update kernels running beside backward slow it (8B: 1077 vs 980 ms)
+
+
+@dataclass
+class ModelShape:
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    tied: bool = False
+    qkv_bias: bool = False
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelShape":
+        text = getattr(cfg, "text_config", None) or cfg
+        return cls(hidden=text.hidden_size, intermediate=text.intermediate_size, layers=text.num_hidden_layers,
+                   heads=text.num_attention_heads, kv_heads=getattr(text, "num_key_value_heads", None)
+                   or text.num_attention_heads, vocab=text.vocab_size,
+                   tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+                   qkv_bias=getattr(text, "model_type", "") == "qwen2")
+
+    @property
+    def kv_dim(self) -> int:
+        return self.hidden // self.heads * self.kv_heads
+
+    @property
+    def layer_params(self) -> int:
+        h, kv = self.hidden, self.kv_dim
+        attn = h * (h + 2 * kv) + h * h + ((h + 2 * kv) if self.qkv_bias else 0)
+        return attn + 3 * h * self.intermediate + 2 * h
+
+    @property
+    def params(self) -> int:
+        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+
+
+@dataclass
+class Plan:
+    """A predicted configuration; sizes in GiB, times in seconds."""
+
+    params: int
+    batch: int
+    seq: int
+    clip: bool
+    offload_gradients: bool
+    activation_offload: bool
+    gpu_budget_gib: float | None
+    host_budget_gib: float | None
+    gpu_peak_gib: float = 0.0  # predicted torch.cuda.max_memory_reserved
+    gpu_allocated_gib: float = 0.0
+    host_peak_gib: float = 0.0  # RSS incl. pinned
+    pinned_gib: float = 0.0
+    pcie_gb_per_step: float = 0.0
+    step_s: float = 0.0
+    native_step_s: float = 0.0
+    breakdown: dict = field(default_factory=dict)
+    fits: bool = True
+    notes: list = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def table(self) -> str:
+        rows = [
+            ("parameters", f"{self.params / 1e9:.2f} B" if self.params >= 1e9 else f"{self.params / 1e6:.1f} M"),
+            ("micro-batch", f"{self.batch} x {self.seq} tokens"),
+            ("optimizer", "8-bit AdamW states in pinned CPU memory, streamed"),
+            ("updates", "after backward, exact clipping" if self.clip else "during backward (no clipping)"),
+            ("gradients", "pinned CPU memory until the norm is known" if self.offload_gradients
+             else ("freed as used" if not self.clip else "on the GPU until the norm is known")),
+            ("activations", "layer inputs in pinned CPU memory" if self.activation_offload else "on the GPU"),
+            ("GPU peak (reserved)", f"{self.gpu_peak_gib:.1f} GiB"
+             + (f" of {self.gpu_budget_gib:g} GiB" if self.gpu_budget_gib else "")),
+            ("host peak (RSS + pinned)", f"{self.host_peak_gib:.1f} GiB"
+             + (f" of {self.host_budget_gib:.1f} GiB" if self.host_budget_gib else "")),
+            ("PCIe per step", f"{self.pcie_gb_per_step:.1f} GB"),
+            ("step time", f"{self.step_s:.2f} s ({self.batch * self.seq / self.step_s:,.0f} tok/s; "
+                          f"all on one big GPU: {self.native_step_s:.2f} s)"),
+        ]
+        w = max(len(k) for k, _ in rows)
+        lines = [f"{k.ljust(w)}  {v}" for k, v in rows]
+        lines += ["GPU memory breakdown (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in self.breakdown.items())]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool, offload_gradients: bool,
+              activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
+              block: int = 256) -> dict:
+    h, inter, L, V = shape.hidden, shape.intermediate, shape.layers, shape.vocab
+    T = batch * seq
+    weights = 2 * params
+    largest = V * h
+    chunk = min(chunk_numel, largest)
+    slots = inflight * chunk * (2 + 8 / block + (2 if offload_gradients else 0))
+    update_temps = 2 * 4 * chunk  # the fused update materialises both fp32 moments of one chunk
+    ckpt_per_layer = T * h * 2
+    checkpoints = (2 if activation_offload else L) * ckpt_per_layer  # offloaded: the one in use + one prefetched
+    loss = (loss_chunk if loss_chunk else T) * V * 10 + 2 * T * h * 2  # fp32 logits + grad, bf16 logits; hidden
+    head_grad = 2 * largest
+    layer_ws = 10 * T * h * 2 + 6 * T * inter * 2  # one layer's recompute activations and their grads
+    layer_grads = 2 * shape.layer_params
+    grads_kept = 2 * params if clip and not offload_gradients else 0
+    if grads_kept:
+        # gradients pile up while checkpoints are freed: the peak is at the start or at the end of backward
+        phase = max(checkpoints + loss + head_grad, grads_kept + layer_ws)
+    else:  # updates lag backward by about a layer
+        phase = checkpoints + max(loss + head_grad, layer_ws + 2 * layer_grads)
+    allocated = weights + slots + update_temps + phase
+    slack = 9 * T * inter * 2  # allocator blocks freed between layers but not reused across sizes
+    reserved = allocated + slack
+
+    states = 2 * params * (1 + 4 / block)
+    host_grads = 2 * params if offload_gradients else 0
+    host_acts = L * ckpt_per_layer if activation_offload else 0
+    pinned = states + host_grads + host_acts
+    host = 1.5 * GiB + pinned
+
+    pcie = 2 * states + 2 * host_grads + 2 * host_acts
+    flops = 8 * params * T + 8 * L * T * seq * h  # weights (fwd + recompute + bwd) + causal attention
+    t_compute = flops / machine.train_flops
+    t_native = t_compute + 16 * params / 4.0e12  # native AdamW reads/writes ~16 bytes/param at ~4 TB/s
+    kv = shape.kv_dim
+    per_layer = [h * h, h * kv, h * kv, h * h] + [h * inter] * 3
+    n_chunks = L * (2 + sum(math.ceil(x / chunk) for x in per_layer)) + 2 * math.ceil(largest / chunk)
+    # Launching chunk updates from Python competes with launching the step's own kernels; measured: hidden
+    # on 8B at 8k tokens (1 s steps), not on 3B at 4k (0.25 s steps).
+    t_cpu = n_chunks * machine.cpu_s_per_chunk * max(0.0, 1 - t_compute / 1.1)
+    if clip:
+        # the update waits for the global norm: after backward, states (and host gradients) cross PCIe;
+        # only the next forward (~1/4 of the step) overlaps them
+        post = (states + host_grads) / (machine.h2d_gb_s * 1e9)
+        step = t_compute + max(0.0, post - t_compute / 4) + t_cpu
+    else:
+        step = t_compute * machine.backward_inflation + t_cpu
+    if activation_offload:
+        step += max(0.0, host_acts / (machine.d2h_gb_s * 1e9) - t_compute / 4)  # forward copies beyond overlap
+    return dict(reserved=reserved, allocated=allocated, host=host, pinned=pinned, pcie=pcie, step=step,
+                native=t_native,
+                breakdown={"weights": weights / GiB, "optimizer slots": (slots + update_temps) / GiB,
+                           "gradients kept": grads_kept / GiB, "checkpointed activations": checkpoints / GiB,
+                           "largest transient": (phase - checkpoints - grads_kept) / GiB if not grads_kept
+                           else (phase - grads_kept) / GiB, "allocator slack": slack / GiB})
+
+
+def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = None,
+         host_memory_gb: float | None = None, max_grad_norm: float = 1.0, loss_chunk: int = 1024,
+         chunk_numel: int = 2**25, inflight: int = 4, activation_offload: bool | None = None,
+         offload_gradients: bool | None = None, params: int | None = None,
+         machine: Machine = Machine()) -> Plan:
+    """The fastest configuration that fits the budgets (None = let the planner choose a switch).
+
+    Raises PlanError, naming the knob to change, when none fits.
+    """
+    shape = ModelShape.from_config(config)
+    n = params or shape.params
+    clip = bool(max_grad_norm and max_grad_norm > 0)
+    acts = [False, True] if activation_offload is None else [activation_offload]
+    grads = ([False, True] if offload_gradients is None else [offload_gradients]) if clip else [False]
+    gpu_usable = (gpu_memory_limit_gb - machine.cuda_context_gib) * GiB if gpu_memory_limit_gb else math.inf
+    host_usable = host_memory_gb * GiB if host_memory_gb else math.inf
+    tried = []
+    for act in acts:
+        for og in grads:
+            e = _estimate(shape, n, batch=batch, seq=seq, clip=clip, offload_gradients=og, activation_offload=act,
+                          loss_chunk=loss_chunk, chunk_numel=chunk_numel, inflight=inflight, machine=machine)
+            p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, activation_offload=act,
+                     gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
+                     gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB,
+                     host_peak_gib=e["host"] / GiB, pinned_gib=e["pinned"] / GiB, pcie_gb_per_step=e["pcie"] / 1e9,
+                     step_s=e["step"], native_step_s=e["native"], breakdown=e["breakdown"])
+            p.fits = e["reserved"] <= gpu_usable and e["host"] <= host_usable
+            tried.append(p)
+            if p.fits:
+                if clip and og:
+                    p.notes.append("exact clipping with offloaded gradients moves 4 bytes/param after backward; "
+                                   "max_grad_norm: 0 updates during backward instead (faster, no clipping)")
+                return p
+    raise PlanError(_advice(tried, shape, n, batch, seq, gpu_usable, host_usable, gpu_memory_limit_gb,
+                            host_memory_gb, dict(loss_chunk=loss_chunk, chunk_numel=chunk_numel, inflight=inflight,
+                                                 machine=machine, clip=clip)))
+
+
+def _advice(tried, shape, n, batch, seq, gpu_usable, host_usable, gpu_gb, host_gb, kw) -> str:
+    best = min(tried, key=lambda p: p.gpu_peak_gib)
+    msgs = []
+    if best.gpu_peak_gib * GiB > gpu_usable:
+        fixed = _estimate(shape, n, batch=1, seq=8, clip=kw["clip"], offload_gradients=best.offload_gradients,
+                          activation_offload=best.activation_offload, loss_chunk=kw["loss_chunk"],
+                          chunk_numel=kw["chunk_numel"], inflight=kw["inflight"], machine=kw["machine"])
+        msgs.append(f"GPU: needs {best.gpu_peak_gib:.1f} GiB (with every offload on) but {gpu_gb:g} GiB leaves "
+                    f"{gpu_usable / GiB:.1f} GiB for PyTorch.")
+        if fixed["reserved"] > gpu_usable:
+            msgs.append(f"The weights alone ({2 * n / GiB:.1f} GiB in bf16) and the optimizer's buffers do not fit: "
+                        f"use LoRA (peft), or a GPU with more than {fixed['reserved'] / GiB + 0.7:.0f} GiB "
+                        f"(the layer-swap engine is not available yet).")
+        else:
+            tokens = batch * seq
+            while tokens > 8 and _fits_tokens(shape, n, tokens, best, kw, gpu_usable) is False:
+                tokens //= 2
+            b, s = max(1, tokens // seq), min(seq, tokens)
+            msgs.append(f"Fewer tokens per micro-batch fit: per_device_train_batch_size={b}"
+                        + (f", max_seq_length={s}" if s < seq else "")
+                        + f" (about {tokens} tokens; keep the tokens per step with gradient_accumulation_steps)"
+                        + ("" if best.activation_offload else "; or activation_offload: true"))
+    if best.host_peak_gib * GiB > host_usable:
+        lean = min(tried, key=lambda p: p.host_peak_gib)
+        msgs.append(f"Host RAM: needs {lean.host_peak_gib:.1f} GiB, {host_gb:g} GiB given: "
+                    + ("set offload_gradients: false or max_grad_norm: 0, " if lean.offload_gradients else "")
+                    + "add RAM, or use LoRA.")
+    return "no plan fits. " + " ".join(msgs)
+
+
+def _fits_tokens(shape, n, tokens, best, kw, gpu_usable) -> bool:
+    e = _estimate(shape, n, batch=1, seq=tokens, clip=kw["clip"], offload_gradients=best.offload_gradients,
+                  activation_offload=best.activation_offload, loss_chunk=kw["loss_chunk"],
+                  chunk_numel=kw["chunk_numel"], inflight=kw["inflight"], machine=kw["machine"])
+    return e["reserved"] <= gpu_usable
+
+
+def host_memory_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("MemTotal:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def plan_from_args(args, config, seq: int, *, host_gb: float | None = None) -> Plan:
+    """The planner for a TrainingArguments-like object and a model config (raises PlanError)."""
+    gpu = getattr(args, "gpu_memory_limit_gb", None)
+    return plan(config, batch=args.per_device_train_batch_size, seq=seq, gpu_memory_limit_gb=gpu,
+                host_memory_gb=host_gb, max_grad_norm=args.max_grad_norm or 0.0,
+                loss_chunk=getattr(args, "loss_chunk_size", 1024),
+                chunk_numel=getattr(args, "offload_chunk_numel", 2**25),
+                inflight=getattr(args, "offload_inflight_chunks", 4),
+                activation_offload=getattr(args, "activation_offload", None) if gpu else
+                bool(getattr(args, "activation_offload", False)),
+                offload_gradients=getattr(args, "offload_gradients", None) if gpu else
+                bool(getattr(args, "offload_gradients", False)))
