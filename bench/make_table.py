@@ -6,6 +6,29 @@ import json
 import sys
 
 
+def planner_table(rows) -> None:
+    """Predicted vs measured, for rows that carry the planner's prediction."""
+    print("\n| model | batch x seq | GPU cap | act. offload | GPU peak pred / meas (err) | host pred / meas (err) | "
+          "step s pred / meas (err) | planner said |")
+    print("|" + " --- |" * 8)
+    for r in rows:
+        p = r.get("predicted")
+        if not p:
+            continue
+        act = "yes" if r.get("extra", {}).get("activation_offload") else "no"
+        if not p.get("fits", True):
+            print(f"| {r['model']} | {r['micro_batch']} x {r['seq_len']} | {r['gpu_cap_gib']:g} | {act} | - / "
+                  f"{r['peak_reserved_gib']} | - | - | does not fit: {p['reason'][:90]}... |")
+            continue
+
+        def cell(pred, meas):
+            return f"{pred} / {meas} ({(pred - meas) / meas:+.1%})" if meas else f"{pred} / -"
+
+        print(f"| {r['model']} | {r['micro_batch']} x {r['seq_len']} | {r['gpu_cap_gib']:g} | {act} | "
+              f"{cell(p['gpu_peak_gib'], r['peak_reserved_gib'])} | {cell(p['host_peak_gib'], r['host_peak_gib'])} | "
+              f"{cell(p['step_s'], r['step_s_median'])} | fits |")
+
+
 def main(paths: list[str]) -> None:
     rows = [r for p in paths for r in json.load(open(p))]
     native = {(r["run_id"], r["model"], r["seq_len"], r["tokens_per_step"]): r["tok_per_s"]
@@ -18,15 +41,18 @@ def main(paths: list[str]) -> None:
         ratio = f"{r['tok_per_s'] / base:.3f}" if base and r["tok_per_s"] else "-"
         e = r.get("extra", {})
         note = r["error"] or ""
+        if e.get("activation_offload"):
+            note = "activation offload; " + note
         if r["system"].endswith("noclip"):
-            note = note or "updates during backward, no clipping"
+            note = note + "updates during backward, no clipping"
         elif "offload_gradients" in e:
-            note = note or "clip 1.0, " + ("grads in pinned CPU memory" if e["offload_gradients"] else "grads on GPU")
+            note = note + "clip 1.0, " + ("grads in pinned CPU memory" if e["offload_gradients"] else "grads on GPU")
         cap = f"{r['gpu_cap_gib']:g}" if r["gpu_cap_gib"] else "-"
         print(f"| {r['run_id']} | {r['commit']} | {r['model']} | {r['system']} | {cap} | "
               f"{r['micro_batch']} x {r['seq_len']} | {r['tok_per_s'] or '-'} | {ratio} | {r['step_s_median'] or '-'} | "
               f"{r['peak_reserved_gib']} | {r['host_peak_gib']} | {r['pinned_gib'] or '-'} | "
               f"{e.get('gpu_idle_ms', '-')} | {note} |")
+    planner_table(rows)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("overrides", nargs="*")
     p_plan.add_argument("--json", action="store_true", help="machine-readable output")
     sub.add_parser("keys", help="list every config key with its help")
-    args = parser.parse_args(argv)
+    # key=value overrides may come before or after options such as --json
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if "=" not in x or x.startswith("-")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(getattr(args, "overrides", [])) + extra
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")

@@ -223,7 +223,7 @@ def _advice(tried, shape, n, batch, seq, gpu_usable, host_usable, gpu_gb, host_g
         fixed = _estimate(shape, n, batch=1, seq=8, clip=kw["clip"], offload_gradients=best.offload_gradients,
                           activation_offload=best.activation_offload, loss_chunk=kw["loss_chunk"],
                           chunk_numel=kw["chunk_numel"], inflight=kw["inflight"], machine=kw["machine"])
-        msgs.append(f"GPU: needs {best.gpu_peak_gib:.1f} GiB (with every offload on) but {gpu_gb:g} GiB leaves "
+        msgs.append(f"GPU: needs {best.gpu_peak_gib:.1f} GiB (the leanest plan tried) but {gpu_gb:g} GiB leaves "
                     f"{gpu_usable / GiB:.1f} GiB for PyTorch.")
         if fixed["reserved"] > gpu_usable:
             msgs.append(f"The weights alone ({2 * n / GiB:.1f} GiB in bf16) and the optimizer's buffers do not fit: "
@@ -238,11 +238,14 @@ def _advice(tried, shape, n, batch, seq, gpu_usable, host_usable, gpu_gb, host_g
                         + (f", max_seq_length={s}" if s < seq else "")
                         + f" (about {tokens} tokens; keep the tokens per step with gradient_accumulation_steps)"
                         + ("" if best.activation_offload else "; or activation_offload: true"))
-    if best.host_peak_gib * GiB > host_usable:
-        lean = min(tried, key=lambda p: p.host_peak_gib)
-        msgs.append(f"Host RAM: needs {lean.host_peak_gib:.1f} GiB, {host_gb:g} GiB given: "
-                    + ("set offload_gradients: false or max_grad_norm: 0, " if lean.offload_gradients else "")
-                    + "add RAM, or use LoRA.")
+    gpu_ok = [p for p in tried if p.gpu_peak_gib * GiB <= gpu_usable]
+    if gpu_ok:  # the GPU is not the problem: host RAM is
+        lean = min(gpu_ok, key=lambda p: p.host_peak_gib)
+        msgs.append(f"Host RAM: the plans that fit the GPU need {lean.host_peak_gib:.1f} GiB "
+                    f"(RSS + pinned), {host_gb:.1f} GiB available: "
+                    + ("max_grad_norm: 0 updates during backward and needs no host gradient buffer "
+                       f"({2 * n / GiB:.1f} GiB less); " if lean.offload_gradients else "")
+                    + "or add RAM, or use LoRA.")
     return "no plan fits. " + " ".join(msgs)
 
 

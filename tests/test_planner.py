@@ -1,0 +1,82 @@
+"""Planner arithmetic on known shapes (figures checked by hand below) and its refusals."""
+import json
+import types
+
+import pytest
+
+from offload_trainer import cli
+from offload_trainer.models import architecture_config
+from offload_trainer.planner import GiB, ModelShape, PlanError, plan
+
+
+@pytest.mark.parametrize("name, params", [
+    ("llama3-8b", 8_030_261_248),      # Meta's published count
+    ("llama3.2-3b", 3_606_752_256),    # untied head, as benchmarked
+    ("qwen2.5-14b", 14_770_033_664),   # Qwen's published count (q/k/v biases)
+    ("llama3-70b", 70_553_706_496),
+])
+def test_parameter_counts_from_config(name, params):
+    assert ModelShape.from_config(architecture_config(name)).params == params
+
+
+def test_8b_streams_exactly_its_states_over_pcie():
+    p = plan(architecture_config("llama3-8b"), batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0)
+    n = 8_030_261_248
+    states = 2 * n * (1 + 4 / 256)  # two uint8 codes per param + one fp32 scale per 256-value block, per moment
+    assert p.pcie_gb_per_step == pytest.approx(2 * states / 1e9)  # 32.6 GB; the H200 run measured 16.31 + 16.31
+    assert p.breakdown["weights"] == pytest.approx(2 * n / GiB)  # 14.96 GiB of bf16 weights
+    assert p.breakdown["checkpointed activations"] == pytest.approx(32 * 8192 * 4096 * 2 / GiB)  # 2.0 GiB
+    assert p.pinned_gib == pytest.approx(states / GiB)
+    assert p.host_peak_gib == pytest.approx(1.5 + states / GiB)
+    assert not p.activation_offload and not p.offload_gradients
+
+
+def test_exact_clipping_on_24gib_chooses_gradient_offload():
+    p = plan(architecture_config("llama3-8b"), batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0)
+    assert p.clip and p.offload_gradients  # 15 GiB of weights + 15 GiB of gradients cannot both stay
+    assert p.pcie_gb_per_step == pytest.approx(2 * (2 * 8_030_261_248 * (1 + 4 / 256) + 2 * 8_030_261_248) / 1e9)
+
+
+def test_activation_offload_is_chosen_when_only_it_fits():
+    cfg = architecture_config("llama3.2-3b")
+    with pytest.raises(PlanError, match="activation_offload: true"):
+        plan(cfg, batch=1, seq=8192, gpu_memory_limit_gb=12, max_grad_norm=0, activation_offload=False)
+    p = plan(cfg, batch=1, seq=8192, gpu_memory_limit_gb=12, max_grad_norm=0)
+    assert p.activation_offload
+    assert p.breakdown["checkpointed activations"] == pytest.approx(2 * 8192 * 3072 * 2 / GiB)
+
+
+def test_refusals_say_what_to_change():
+    with pytest.raises(PlanError, match="use LoRA"):  # 14B bf16 weights alone are 27.5 GiB
+        plan(architecture_config("qwen2.5-14b"), batch=1, seq=2048, gpu_memory_limit_gb=24)
+    with pytest.raises(PlanError, match=r"per_device_train_batch_size=\d"):
+        plan(architecture_config("llama3-8b"), batch=8, seq=8192, gpu_memory_limit_gb=24, max_grad_norm=0)
+    with pytest.raises(PlanError, match=r"Host RAM: the plans that fit the GPU need 31.\d GiB .* max_grad_norm: 0"):
+        plan(architecture_config("llama3-8b"), batch=4, seq=2048, gpu_memory_limit_gb=24, host_memory_gb=24)
+
+
+def test_plan_works_from_any_config_like_object():
+    cfg = types.SimpleNamespace(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=4, vocab_size=100, tie_word_embeddings=True)
+    p = plan(cfg, batch=2, seq=16)
+    assert p.params == 100 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+    assert "GPU peak" in p.table()
+
+
+def test_plan_command_table_json_and_refusal(capsys, tmp_path):
+    assert cli.main(["plan", "configs/tiny-cpu.yaml"]) == 0
+    assert "GPU peak (reserved)" in capsys.readouterr().out
+    assert cli.main(["plan", "configs/tiny-cpu.yaml", "--json", "model_config=llama3-8b", "max_grad_norm=0",
+                     "gpu_memory_limit_gb=24", "max_seq_length=2048", "per_device_train_batch_size=4"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and not out["clip"] and out["gpu_peak_gib"] < 23.3
+    assert cli.main(["plan", "configs/tiny-cpu.yaml", "model_config=qwen2.5-14b", "gpu_memory_limit_gb=24"]) == 2
+    assert "use LoRA" in capsys.readouterr().err
+
+
+def test_train_refuses_before_loading_weights(capsys, monkeypatch):
+    import offload_trainer.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
+    assert cli.main(["train", "configs/tiny-cpu.yaml", "model_config=qwen2.5-14b", "gpu_memory_limit_gb=24"]) == 2
+    assert "no plan fits" in capsys.readouterr().err
