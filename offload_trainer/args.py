@@ -37,6 +37,14 @@ class ModelArguments:
         default="bfloat16", metadata={"help": "Weights dtype: bfloat16 (default), float32 or float16."}
     )
     attn_implementation: str = field(default="sdpa", metadata={"help": "Attention kernel: sdpa or eager."})
+    lora_r: int = field(
+        default=0, metadata={"help": "LoRA rank (peft); 0 = full finetune. With LoRA only the adapters train."}
+    )
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (peft's lora_alpha)."})
+    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA path."})
+    lora_target_modules: str = field(
+        default="all-linear", metadata={"help": "Modules that get adapters: 'all-linear' or comma-separated names."}
+    )
 
     def __post_init__(self) -> None:
         if (self.model_name_or_path is None) == (self.model_config is None):
@@ -44,6 +52,8 @@ class ModelArguments:
                 "give exactly one of `model_name_or_path` (pretrained weights) or `model_config` "
                 "(a named architecture with random init, e.g. model_config: tiny-llama)"
             )
+        if self.lora_r < 0:
+            raise ValueError(f"lora_r={self.lora_r}: use 0 (full finetune) or a positive rank such as 16")
         if self.torch_dtype not in ("bfloat16", "float32", "float16"):
             raise ValueError(f"torch_dtype={self.torch_dtype!r}: use bfloat16, float32 or float16")
 

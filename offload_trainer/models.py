@@ -87,6 +87,14 @@ def load_model(model_args, *, gradient_checkpointing: bool = False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if gradient_checkpointing:
         model.config.use_cache = False
+    if model_args.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        targets = model_args.lora_target_modules
+        lora = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
+                          target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+                          task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
     return model
 
 

@@ -38,6 +38,14 @@ def apply_gpu_memory_limit(gib: float | None) -> None:
     torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
 
 
+def _host_rss_gib() -> float | None:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
 def _head_and_decoder(model: nn.Module):
     """(decoder, lm_head) when the chunked loss can reproduce the model's own loss exactly, else None."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -76,6 +84,8 @@ class OffloadMixin:
     def _make_plan(self) -> None:
         """Run the planner once (logged), and let it decide the switches left unset."""
         if self._plan is not None or not self._flag("offload_optimizer"):
+            return
+        if hasattr(self.model, "get_base_model"):  # peft: the planner models full finetuning only
             return
         config = getattr(self.model, "config", None)
         sample = self.train_dataset[0] if self.train_dataset is not None and len(self.train_dataset) else None
@@ -185,6 +195,9 @@ class OffloadMixin:
             now = time.perf_counter()
             dt = max(now - self._last_log_time, 1e-9)
             logs["tok_per_s"] = round(self._tokens_since_log / dt, 1)
+            rss = _host_rss_gib()
+            if rss is not None:
+                logs["host_rss_gib"] = round(rss, 2)
             if torch.cuda.is_available():
                 logs["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             if self._offload_opt is not None and self._offload_opt.device.type == "cuda":

@@ -16,6 +16,16 @@ def test_train_tiny_config_end_to_end(tmp_path):
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert (out / "model.safetensors").exists()
+    # the plots of the run, read back: a real picture, and the series it drew is the logged one
+    import matplotlib.image
+
+    from offload_trainer.report import series, trainer_state
+
+    for name in ("loss.png", "throughput.png", "memory.png"):
+        img = matplotlib.image.imread(out / name)
+        assert img.shape[0] > 100 and img.std() > 0.01
+    steps, values = series(trainer_state(str(out)), "loss")
+    assert steps == [3, 6] and values == losses
 
 
 def test_keys_lists_our_fields_with_help(capsys):

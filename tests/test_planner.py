@@ -80,3 +80,9 @@ def test_train_refuses_before_loading_weights(capsys, monkeypatch):
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
     assert cli.main(["train", "configs/tiny-cpu.yaml", "model_config=qwen2.5-14b", "gpu_memory_limit_gb=24"]) == 2
     assert "no plan fits" in capsys.readouterr().err
+
+
+def test_gpu_configs_fit_their_budget_per_the_planner(capsys):
+    assert cli.main(["plan", "configs/llama3-8b-full-24gb.yaml", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] and out["gpu_peak_gib"] <= 24 - 0.7
