@@ -19,18 +19,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import torch
 
-
-def host_peak_gib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 2**20
-    return float("nan")
+from offload_trainer.sysinfo import peak_rss_gib
 
 
 def gpu_idle_ms(step_fn) -> dict:
@@ -195,7 +188,7 @@ def main() -> None:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
     row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-    row["host_peak_gib"] = round(host_peak_gib(), 2)
+    row["host_peak_gib"] = round(peak_rss_gib() or float("nan"), 2)
     print("ROW " + json.dumps(row), flush=True)
     if a.out:
         with open(a.out, "a") as f:

@@ -14,6 +14,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from .sysinfo import host_memory_gib  # noqa: F401  (re-exported for the CLI)
+
 GiB = 2**30
 
 
@@ -254,14 +256,6 @@ def _fits_tokens(shape, n, tokens, best, kw, gpu_usable) -> bool:
                   activation_offload=best.activation_offload, loss_chunk=kw["loss_chunk"],
                   chunk_numel=kw["chunk_numel"], inflight=kw["inflight"], machine=kw["machine"])
     return e["reserved"] <= gpu_usable
-
-
-def host_memory_gib() -> float | None:
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("MemTotal:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def plan_from_args(args, config, seq: int, *, host_gb: float | None = None) -> Plan:

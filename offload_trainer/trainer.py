@@ -22,6 +22,7 @@ from .args import OffloadTrainingArguments
 from .loss import chunked_causal_lm_loss
 from .optim import StreamedAdamW8bit
 from .planner import Plan, PlanError, plan_from_args
+from .sysinfo import rss_gib
 
 logger = logging.getLogger("offload_trainer")
 def _own_default(name: str):
@@ -36,14 +37,6 @@ def apply_gpu_memory_limit(gib: float | None) -> None:
     if gib * 2**30 > total:
         raise ValueError(f"gpu_memory_limit_gb={gib} is more than this GPU has ({total / 2**30:.1f} GiB)")
     torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
-
-
-def _host_rss_gib() -> float | None:
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return None
 
 
 def _head_and_decoder(model: nn.Module):
@@ -195,7 +188,7 @@ class OffloadMixin:
             now = time.perf_counter()
             dt = max(now - self._last_log_time, 1e-9)
             logs["tok_per_s"] = round(self._tokens_since_log / dt, 1)
-            rss = _host_rss_gib()
+            rss = rss_gib()
             if rss is not None:
                 logs["host_rss_gib"] = round(rss, 2)
             if torch.cuda.is_available():
