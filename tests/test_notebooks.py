@@ -1,0 +1,22 @@
+"""The quick-start notebook runs top to bottom (short runs: QUICKSTART_STEPS)."""
+import os
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+pytestmark = pytest.mark.slow
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_quickstart_notebook_executes(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUICKSTART_STEPS", "8")
+    monkeypatch.setenv("QUICKSTART_ROOT", os.path.join(HERE, ".."))
+    monkeypatch.setenv("QUICKSTART_OUT", str(tmp_path))
+    nb = nbformat.read(os.path.join(HERE, "..", "notebooks", "01_quickstart.ipynb"), as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3",
+                   resources={"metadata": {"path": os.path.join(HERE, "..", "notebooks")}}).execute()
+    images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    assert len(images) >= 3  # tiny loss + throughput, SmolLM2 loss
+    assert (tmp_path / "smollm2-sft" / "merged" / "config.json").exists()
