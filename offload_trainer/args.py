@@ -28,7 +28,8 @@ class ModelArguments:
                           "'tiny-llama', 'llama3-8b', 'qwen2.5-14b' (see offload_trainer.models.ARCHITECTURES)."},
     )
     model_overrides: dict | None = field(
-        default=None, metadata={"help": "Config fields to override on a named architecture, e.g. {num_hidden_layers: 4}."}
+        default=None,
+        metadata={"help": "Config fields to override on a named architecture, e.g. {num_hidden_layers: 4}."},
     )
     tokenizer_name_or_path: str | None = field(
         default=None, metadata={"help": "Tokenizer to use; default: the model's own, or the built-in tokenizer."}
@@ -150,7 +151,8 @@ class OffloadTrainingArguments(TrainingArguments):
                              f"(one slot copying while one updates)")
         if self.loss_chunk_size < 0:
             raise ValueError(f"loss_chunk_size={self.loss_chunk_size}: use 0 (off) or a positive token count")
-        if self.activation_offload and not (self.gradient_checkpointing or getattr(self, "activation_checkpointing", False)):
+        checkpointing = self.gradient_checkpointing or getattr(self, "activation_checkpointing", False)
+        if self.activation_offload and not checkpointing:
             raise ValueError("activation_offload offloads the inputs that gradient checkpointing keeps: "
                              "set gradient_checkpointing: true as well")
         if self.gpu_memory_limit_gb is not None and self.gpu_memory_limit_gb <= 0:

@@ -91,9 +91,10 @@ def load_model(model_args, *, gradient_checkpointing: bool = False):
         from peft import LoraConfig, get_peft_model
 
         targets = model_args.lora_target_modules
+        if targets != "all-linear":
+            targets = [t.strip() for t in targets.split(",")]
         lora = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
-                          target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-                          task_type="CAUSAL_LM")
+                          target_modules=targets, task_type="CAUSAL_LM")
         model = get_peft_model(model, lora)
     return model
 

@@ -1,6 +1,5 @@
 """OffloadTrainer as a drop-in Trainer: same script, streamed optimizer, exact resume."""
 import json
-import os
 
 import pytest
 import torch
