@@ -49,7 +49,8 @@ def main(paths: list[str]) -> None:
             note = note + "clip 1.0, " + ("grads in pinned CPU memory" if e["offload_gradients"] else "grads on GPU")
         cap = f"{r['gpu_cap_gib']:g}" if r["gpu_cap_gib"] else "-"
         print(f"| {r['run_id']} | {r['commit']} | {r['model']} | {r['system']} | {cap} | "
-              f"{r['micro_batch']} x {r['seq_len']} | {r['tok_per_s'] or '-'} | {ratio} | {r['step_s_median'] or '-'} | "
+              f"{r['micro_batch']} x {r['seq_len']} | {r['tok_per_s'] or '-'} | {ratio} | "
+              f"{r['step_s_median'] or '-'} | "
               f"{r['peak_reserved_gib']} | {r['host_peak_gib']} | {r['pinned_gib'] or '-'} | "
               f"{e.get('gpu_idle_ms', '-')} | {note} |")
     planner_table(rows)
