@@ -8,4 +8,9 @@ from .trainer import OffloadMixin
 
 
 class OffloadSFTTrainer(OffloadMixin, SFTTrainer):
-    """Drop-in replacement for `trl.SFTTrainer`."""
+    """Drop-in replacement for `trl.SFTTrainer` (`SFTConfig` works as is; our switches take their defaults).
+
+    TRL's collators already mask prompt tokens in `labels`, so the chunked loss keeps completion-only training.
+    It never materialises the logits, so TRL's logits-based metrics (token accuracy, entropy) are not logged;
+    set `loss_chunk_size = 0` on the config to get them back (and the full logits in memory).
+    """
