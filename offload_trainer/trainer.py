@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 
@@ -25,6 +26,7 @@ from .planner import Plan, PlanError, plan_from_args
 from .sysinfo import rss_gib
 
 logger = logging.getLogger("offload_trainer")
+@functools.lru_cache(maxsize=None)
 def _own_default(name: str):
     return next(f.default for f in dataclasses.fields(OffloadTrainingArguments) if f.name == name)
 
