@@ -11,6 +11,7 @@ allocator's slack, with constants calibrated on the H200 runs in bench/results (
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -32,7 +33,6 @@ class Machine:
     train_flops: float = 5.2e14  # bf16 FLOP/s of a checkpointed train step (model FLOPs, incl. recompute)
     cpu_s_per_chunk: float = 3.5e-4  # Python + launch cost of one streamed chunk update
     cuda_context_gib: float = 0.7  # taken from the card outside PyTorch's allocator
-    update_ns_per_param: float = 0.021  # the 8-bit AdamW update kernel on the GPU
     backward_inflation: float = 1.08  # update kernels running beside backward slow it (8B: 1077 vs 980 ms)
 
 
@@ -196,11 +196,12 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     grads = ([False, True] if offload_gradients is None else [offload_gradients]) if clip else [False]
     gpu_usable = (gpu_memory_limit_gb - machine.cuda_context_gib) * GiB if gpu_memory_limit_gb else math.inf
     host_usable = host_memory_gb * GiB if host_memory_gb else math.inf
+    estimate = functools.partial(_estimate, shape, n, clip=clip, loss_chunk=loss_chunk, chunk_numel=chunk_numel,
+                                 inflight=inflight, machine=machine)
     tried = []
     for act in acts:
         for og in grads:
-            e = _estimate(shape, n, batch=batch, seq=seq, clip=clip, offload_gradients=og, activation_offload=act,
-                          loss_chunk=loss_chunk, chunk_numel=chunk_numel, inflight=inflight, machine=machine)
+            e = estimate(batch=batch, seq=seq, offload_gradients=og, activation_offload=act)
             p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, activation_offload=act,
                      gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
                      gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB,
@@ -213,27 +214,27 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                     p.notes.append("exact clipping with offloaded gradients moves 4 bytes/param after backward; "
                                    "max_grad_norm: 0 updates during backward instead (faster, no clipping)")
                 return p
-    raise PlanError(_advice(tried, shape, n, batch, seq, gpu_usable, host_usable, gpu_memory_limit_gb,
-                            host_memory_gb, dict(loss_chunk=loss_chunk, chunk_numel=chunk_numel, inflight=inflight,
-                                                 machine=machine, clip=clip)))
+    raise PlanError(_advice(tried, estimate, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb,
+                            machine))
 
 
-def _advice(tried, shape, n, batch, seq, gpu_usable, host_usable, gpu_gb, host_gb, kw) -> str:
+def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine) -> str:
     best = min(tried, key=lambda p: p.gpu_peak_gib)
+    same_switches = functools.partial(estimate, offload_gradients=best.offload_gradients,
+                                      activation_offload=best.activation_offload)
     msgs = []
     if best.gpu_peak_gib * GiB > gpu_usable:
-        fixed = _estimate(shape, n, batch=1, seq=8, clip=kw["clip"], offload_gradients=best.offload_gradients,
-                          activation_offload=best.activation_offload, loss_chunk=kw["loss_chunk"],
-                          chunk_numel=kw["chunk_numel"], inflight=kw["inflight"], machine=kw["machine"])
+        fixed = same_switches(batch=1, seq=8)
         msgs.append(f"GPU: needs {best.gpu_peak_gib:.1f} GiB (the leanest plan tried) but {gpu_gb:g} GiB leaves "
                     f"{gpu_usable / GiB:.1f} GiB for PyTorch.")
         if fixed["reserved"] > gpu_usable:
             msgs.append(f"The weights alone ({2 * n / GiB:.1f} GiB in bf16) and the optimizer's buffers do not fit: "
-                        f"use LoRA (peft), or a GPU with more than {fixed['reserved'] / GiB + 0.7:.0f} GiB "
+                        f"use LoRA (peft), or a GPU with more than "
+                        f"{fixed['reserved'] / GiB + machine.cuda_context_gib:.0f} GiB "
                         f"(the layer-swap engine is not available yet).")
         else:
             tokens = batch * seq
-            while tokens > 8 and _fits_tokens(shape, n, tokens, best, kw, gpu_usable) is False:
+            while tokens > 8 and same_switches(batch=1, seq=tokens)["reserved"] > gpu_usable:
                 tokens //= 2
             b, s = max(1, tokens // seq), min(seq, tokens)
             msgs.append(f"Fewer tokens per micro-batch fit: per_device_train_batch_size={b}"
@@ -249,13 +250,6 @@ def _advice(tried, shape, n, batch, seq, gpu_usable, host_usable, gpu_gb, host_g
                        f"({2 * n / GiB:.1f} GiB less); " if lean.offload_gradients else "")
                     + "or add RAM, or use LoRA.")
     return "no plan fits. " + " ".join(msgs)
-
-
-def _fits_tokens(shape, n, tokens, best, kw, gpu_usable) -> bool:
-    e = _estimate(shape, n, batch=1, seq=tokens, clip=kw["clip"], offload_gradients=best.offload_gradients,
-                  activation_offload=best.activation_offload, loss_chunk=kw["loss_chunk"],
-                  chunk_numel=kw["chunk_numel"], inflight=kw["inflight"], machine=kw["machine"])
-    return e["reserved"] <= gpu_usable
 
 
 def plan_from_args(args, config, seq: int, *, host_gb: float | None = None) -> Plan:
