@@ -16,6 +16,11 @@ ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_8bit")
 MASTER_WEIGHTS = ("bf16_sr", "bf16")
 
 
+def checkpointing_on(args) -> bool:
+    """Gradient checkpointing is on (transformers 5.x calls it `activation_checkpointing`; older: `gradient_...`)."""
+    return bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False))
+
+
 @dataclass
 class ModelArguments:
     model_name_or_path: str | None = field(
@@ -151,8 +156,7 @@ class OffloadTrainingArguments(TrainingArguments):
                              f"(one slot copying while one updates)")
         if self.loss_chunk_size < 0:
             raise ValueError(f"loss_chunk_size={self.loss_chunk_size}: use 0 (off) or a positive token count")
-        checkpointing = self.gradient_checkpointing or getattr(self, "activation_checkpointing", False)
-        if self.activation_offload and not checkpointing:
+        if self.activation_offload and not checkpointing_on(self):
             raise ValueError("activation_offload offloads the inputs that gradient checkpointing keeps: "
                              "set gradient_checkpointing: true as well")
         if self.gpu_memory_limit_gb is not None and self.gpu_memory_limit_gb <= 0:

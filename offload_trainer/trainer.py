@@ -19,7 +19,7 @@ from torch import nn
 from transformers import Trainer
 
 from .activations import enable_activation_offload
-from .args import OffloadTrainingArguments
+from .args import OffloadTrainingArguments, checkpointing_on
 from .loss import chunked_causal_lm_loss
 from .optim import StreamedAdamW8bit
 from .planner import Plan, PlanError, plan_from_args
@@ -65,7 +65,8 @@ class OffloadMixin:
         self._last_log_time = time.perf_counter()
         self._last_bytes = 0
         self._plan: Plan | None = None
-        self._activations = None
+        self._activations = None  # the ActivationOffloader, once installed in this train()
+        self._want_activations = False
 
     def _flag(self, name: str):
         # A plain TrainingArguments (a script that only swapped Trainer for OffloadTrainer) gets our defaults.
@@ -74,6 +75,9 @@ class OffloadMixin:
     # -------------------------------------------------------------- plan
     def train(self, *args, **kwargs):
         self._make_plan()
+        # Trainer.train() (re)enables plain checkpointing before its loop; ours goes on top at the first step.
+        self._activations = None
+        self._want_activations = self._resolved("activation_offload") and checkpointing_on(self.args)
         return super().train(*args, **kwargs)
 
     def _make_plan(self) -> None:
@@ -148,9 +152,7 @@ class OffloadMixin:
 
     # -------------------------------------------------------------- step and loss
     def training_step(self, model, inputs, num_items_in_batch=None):
-        checkpointing = self.args.gradient_checkpointing or getattr(self.args, "activation_checkpointing", False)
-        if self._resolved("activation_offload") and checkpointing:
-            # train() re-enables plain checkpointing before the loop: (re)install ours on top, once per train()
+        if self._want_activations and self._activations is None:
             self._activations = enable_activation_offload(self.accelerator.unwrap_model(model))
         self._tokens_since_log += int(inputs["input_ids"].numel()) if "input_ids" in inputs else 0
         accumulate = self._offload_opt is not None and not self.accelerator.sync_gradients
