@@ -127,18 +127,19 @@ def build_datasets(data_args, tokenizer, *, vocab_size: int, seed: int = 0):
     path = resolve_dataset_path(data_args.dataset_path)
     check_dataset_path(path)
     max_len = getattr(tokenizer, "model_max_length", None)
+    if max_len and max_len < 10**9 and seq > max_len:  # checked before tokenizing the whole file
+        raise DataError(f"max_seq_length={seq} is longer than the tokenizer/model allows ({max_len}); "
+                        f"use max_seq_length <= {max_len}")
     ids: list[int] = []
     labels: list[int] = []
     for rec in read_records(path):
         x, y = tokenize_record(rec, tokenizer, data_args.text_field, f"{path}:{rec['_line']}")
         ids += x
         labels += y
-    if max(tok for tok in ids) >= vocab_size:
-        raise DataError(f"{path}: the tokenizer makes ids up to {max(ids)}, but the model's vocabulary has "
+    top = max(ids)
+    if top >= vocab_size:
+        raise DataError(f"{path}: the tokenizer makes ids up to {top}, but the model's vocabulary has "
                         f"{vocab_size}; use the model's own tokenizer")
-    if max_len and max_len < 10**9 and seq > max_len:
-        raise DataError(f"max_seq_length={seq} is longer than the tokenizer/model allows ({max_len}); "
-                        f"use max_seq_length <= {max_len}")
     blocks = pack(ids, labels, seq, tokenizer.pad_token_id)
     n_eval = int(len(blocks) * data_args.eval_fraction)
     if data_args.eval_fraction > 0 and n_eval == 0:
