@@ -5,11 +5,15 @@
 SYSTEM:
   native               all on the GPU, torch fused AdamW, full-logits loss (no cap)
   native_clip          the same with clip_grad_norm_(1.0) (what HF Trainer does by default)
+  native_8bit          all on the GPU, torchao AdamW8bit (for shapes whose fp32 AdamW states exceed the GPU)
   offload_trainer      StreamedAdamW8bit, exact clipping at 1.0, gradients offloaded, chunked loss
   offload_trainer_noclip  StreamedAdamW8bit, updates during backward (max_grad_norm 0), chunked loss
   torchao_cpu_offload  torchao CPUOffloadOptimizer(AdamW fused, offload_gradients=True)
 
 All systems: bf16 weights, SDPA, non-reentrant gradient checkpointing, random tokens, labels = inputs.
+--resident N|auto (offload_trainer systems): keep N decoder layers on the GPU and swap the others (swap.py);
+auto asks the planner. The model is built on the GPU before the cap is set, then the swapped layers move to
+pinned host memory and the peak counters are reset: what a user gets by loading on the CPU, faster to set up.
 Every system runs in its own process (run_all.sh), so caps and allocator state do not leak between rows.
 Writes one JSON row per run in the format of RESULTS.md (bench/results/).
 """
@@ -74,6 +78,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2**25, help="offload_trainer: elements per streamed chunk")
     ap.add_argument("--grads-on-gpu", action="store_true", help="offload_trainer: keep gradients on the GPU")
     ap.add_argument("--act-offload", action="store_true", help="offload_trainer: offload checkpointed activations")
+    ap.add_argument("--resident", default=None, help="offload_trainer: decoder layers kept on the GPU (N or auto)")
+    ap.add_argument("--prefetch", type=int, default=1, help="layer swap: layers fetched ahead")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -84,9 +90,6 @@ def main() -> None:
     from offload_trainer.models import architecture_config
     from offload_trainer.optim import StreamedAdamW8bit
 
-    if a.cap:
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(a.cap * 2**30 / total)
     cfg = architecture_config(a.model, {"max_position_embeddings": max(8192, a.seq)})
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False
@@ -97,7 +100,7 @@ def main() -> None:
                micro_batch=a.bs, grad_accum=1, tokens_per_step=a.bs * a.seq, tok_per_s=None, step_s_median=None,
                peak_alloc_gib=None, peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None,
                extra={})
-    opt = None
+    opt = swap = None
     try:
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
@@ -110,17 +113,36 @@ def main() -> None:
             offloader = enable_activation_offload(model)
             row["extra"]["activation_offload"] = True
         row["params"] = sum(p.numel() for p in model.parameters())
+        noclip = a.system.endswith("noclip")
+        if a.resident is not None:
+            from offload_trainer.planner import plan
+            from offload_trainer.swap import LayerSwap
+
+            resident = a.resident if a.resident != "auto" else plan(
+                cfg, batch=a.bs, seq=a.seq, gpu_memory_limit_gb=a.cap or None, max_grad_norm=0.0 if noclip else 1.0,
+                loss_chunk=a.loss_chunk, chunk_numel=a.chunk, activation_offload=a.act_offload,
+                layer_swap=None).resident_layers
+            swap = LayerSwap(model.model.layers, "cuda", resident=int(resident), prefetch=a.prefetch)
+            row["extra"].update(resident_layers=int(resident), layers=cfg.num_hidden_layers, prefetch=a.prefetch)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        if a.cap:
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(a.cap * 2**30 / total)
         clip = None
         if a.system in ("native", "native_clip"):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
             clip = 1.0 if a.system == "native_clip" else None
+        elif a.system == "native_8bit":
+            from torchao.optim import AdamW8bit
+
+            opt = AdamW8bit(model.parameters(), lr=1e-5)
         elif a.system == "torchao_cpu_offload":
             from torchao.optim import CPUOffloadOptimizer
 
             opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, fused=True,
                                       lr=1e-5)
         elif a.system in ("offload_trainer", "offload_trainer_noclip"):
-            noclip = a.system.endswith("noclip")
             opt = StreamedAdamW8bit(model.parameters(), lr=1e-5, update_in_backward=noclip,
                                     offload_gradients=not noclip and not a.grads_on_gpu, chunk_numel=a.chunk)
             row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk)
@@ -129,12 +151,15 @@ def main() -> None:
             try:
                 p = plan(cfg, batch=a.bs, seq=a.seq, gpu_memory_limit_gb=a.cap or None, max_grad_norm=0.0 if noclip
                          else 1.0, loss_chunk=a.loss_chunk, chunk_numel=a.chunk, activation_offload=a.act_offload,
-                         offload_gradients=opt.offload_gradients if not noclip else None)
+                         offload_gradients=opt.offload_gradients if not noclip else None,
+                         layer_swap=int(row["extra"]["resident_layers"]) if swap else False)
                 row["predicted"] = dict(gpu_peak_gib=round(p.gpu_peak_gib, 2), host_peak_gib=round(p.host_peak_gib, 2),
                                         step_s=round(p.step_s, 3), fits=True)
             except PlanError as e:
                 row["predicted"] = dict(fits=False, reason=str(e)[:300])
             opt.attach(model)
+            if swap is not None:
+                opt.set_residency(swap.touch)
             clip = None if noclip else 1.0
         else:
             raise SystemExit(f"unknown system {a.system}")
@@ -171,8 +196,10 @@ def main() -> None:
         row.update(tok_per_s=round(a.bs * a.seq / med, 1), step_s_median=round(med, 4))
         row["extra"].update(step_s=[round(t, 4) for t in times], losses=losses, first_step_s=round(times[0], 2),
                             tok_per_s_best=round(a.bs * a.seq / min(timed), 1))
+        if swap is not None:
+            swap_before, layer_stall_before = dict(swap.stats), swap.stall.total_ms()
         if isinstance(opt, StreamedAdamW8bit):
-            before = dict(opt.stats)
+            before, update_stall_before = dict(opt.stats), opt.stall.total_ms()
             try:
                 row["extra"].update(gpu_idle_ms(step))
             except Exception as e:  # the profile is extra information, not the measurement
@@ -183,7 +210,18 @@ def main() -> None:
                                 d2h_gb_per_step=round(moved["d2h_bytes"] / 1e9, 2),
                                 pcie_gb_per_s=round((moved["h2d_bytes"] + moved["d2h_bytes"]) / prof_s / 1e9, 1))
             row["pinned_gib"] = round((opt.memory_stats()["pinned_bytes"]
-                                       + (offloader.pinned_bytes() if offloader else 0)) / 2**30, 2)
+                                       + (offloader.pinned_bytes() if offloader else 0)
+                                       + (swap.memory_stats()["pinned_bytes"] if swap else 0)) / 2**30, 2)
+            torch.cuda.synchronize()
+            # GPU stall of the profiled step: the compute stream waiting for an update / a layer's weights
+            row["extra"]["update_stall_ms"] = round(opt.stall.total_ms() - update_stall_before, 1)
+            if swap is not None:
+                sw = {k: swap.stats[k] - swap_before[k] for k in swap.stats}
+                row["extra"].update(swap_h2d_gb_per_step=round(sw["h2d_bytes"] / 1e9, 2),
+                                    swap_d2h_gb_per_step=round(sw["d2h_bytes"] / 1e9, 2),
+                                    swap_loads_per_step=sw["loads"], swap_reloads_for_update=sw["reloads_for_update"],
+                                    layer_stall_ms=round(swap.stall.total_ms() - layer_stall_before, 1),
+                                    swap_gpu_slot_gib=round(swap.memory_stats()["gpu_slot_bytes"] / 2**30, 2))
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
     row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

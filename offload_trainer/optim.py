@@ -30,7 +30,7 @@ from torchao.optim.adam import single_param_adam
 from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
-from .streams import Streams, pinned_empty
+from .streams import StallMeter, Streams, pinned_empty
 
 __all__ = ["StreamedAdamW8bit", "forward_units"]
 
@@ -60,6 +60,10 @@ def adamw8bit_chunk(p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap
     denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
     p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
     p.copy_(_fp32_to_bf16_sr(p_f32) if bf16_stochastic_round else p_f32)
+
+
+def _always_resident(p: Tensor, stream):
+    return contextlib.nullcontext()
 
 
 def _grad_norm(g: Tensor) -> Tensor:
@@ -152,9 +156,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if not self._params:
             raise ValueError("no trainable parameters (all have requires_grad=False)")
         devices = {p.device for p in self._params}
-        if len(devices) != 1:
+        accel = {d for d in devices if d.type != "cpu"}
+        if len(accel) > 1:
             raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
-        self.device = devices.pop()
+        # Parameters on the host beside GPU ones are swapped layers (swap.py): updated where they are fetched to.
+        self.device = accel.pop() if accel else torch.device("cpu")
         self._streams = Streams(self.device)
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._step_fn, self._chunk_fn = single_param_adam, adamw8bit_chunk
@@ -176,6 +182,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._norm_order = self._params
         self._prev_d2h_done = None  # event: the last step's copy-backs finished (host states final)
         self._prev_h2d_done = None  # event: the last step's host gradients were read
+        self._residency = _always_resident
+        self.stall = StallMeter(self._streams)  # forward waiting for a layer's update
         self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "updates": 0}
 
     def add_param_group(self, param_group: dict) -> None:
@@ -226,8 +234,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                     st[name] = OptimState8bit(codes, scale, qmaps[k], signed, dtype=p.dtype)
                 off += n
             else:  # small tensors (norms, biases): plain states on the device, as torchao keeps them
-                st["exp_avg"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                st["exp_avg"] = torch.zeros(p.shape, dtype=p.dtype, device=self.device)
+                st["exp_avg_sq"] = torch.zeros(p.shape, dtype=p.dtype, device=self.device)
 
     def _init_slots(self, n_slots: int) -> None:
         big = [p for p in self._params if p in self._offset]
@@ -275,11 +283,14 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def _make_wait_hook(self, unit: int):
         def hook(module, args):
             # The forward of this unit reads weights that the update stream may still be writing.
-            ev = self._unit_event.get(unit)
-            if ev is not None:
-                self._streams.compute().wait_event(ev)
+            self.stall.wait(self._streams.compute(), self._unit_event.get(unit))
 
         return hook
+
+    def set_residency(self, touch) -> None:
+        """`touch(p, update_stream)`: a context manager around each update of `p`, which makes sure `p` is
+        on the device while the update is queued (the layer-swap engine's `LayerSwap.touch`)."""
+        self._residency = touch
 
     @contextlib.contextmanager
     def no_update(self):
@@ -328,6 +339,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     # ------------------------------------------------------------------ the update
     def _update_param(self, p: Tensor, grad_ready) -> None:
         """Queue the update of one tensor; the gradient is `p.grad` (device) or its host copy."""
+        with self._residency(p, self._streams.update):
+            self._queue_update(p, grad_ready)
+
+    def _queue_update(self, p: Tensor, grad_ready) -> None:
         S = self._streams
         group, st = self._group_of[p], self.state[p]
         st["step"] += 1

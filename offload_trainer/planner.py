@@ -83,6 +83,8 @@ class Plan:
     activation_offload: bool
     gpu_budget_gib: float | None
     host_budget_gib: float | None
+    resident_layers: int = 0  # decoder layers kept on the GPU; the others are swapped (layer_swap)
+    layers: int = 0
     gpu_peak_gib: float = 0.0  # predicted torch.cuda.max_memory_reserved
     gpu_allocated_gib: float = 0.0
     host_peak_gib: float = 0.0  # RSS incl. pinned
@@ -106,6 +108,9 @@ class Plan:
             ("gradients", "pinned CPU memory until the norm is known" if self.offload_gradients
              else ("freed as used" if not self.clip else "on the GPU until the norm is known")),
             ("activations", "layer inputs in pinned CPU memory" if self.activation_offload else "on the GPU"),
+            ("decoder layers", f"all {self.layers} on the GPU" if self.resident_layers == self.layers else
+             f"{self.resident_layers} of {self.layers} on the GPU, {self.layers - self.resident_layers} swapped "
+             f"from pinned CPU memory"),
             ("GPU peak (reserved)", f"{self.gpu_peak_gib:.1f} GiB"
              + (f" of {self.gpu_budget_gib:g} GiB" if self.gpu_budget_gib else "")),
             ("host peak (RSS + pinned)", f"{self.host_peak_gib:.1f} GiB"
@@ -123,10 +128,13 @@ class Plan:
 
 def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool, offload_gradients: bool,
               activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
-              block: int = 256) -> dict:
+              resident: int | None = None, swap_slots: int = 3, block: int = 256) -> dict:
     h, inter, L, V = shape.hidden, shape.intermediate, shape.layers, shape.vocab
     T = batch * seq
-    weights = 2 * params
+    swapped = L - (L if resident is None else resident)
+    layer_bytes = 2 * shape.layer_params
+    swap_gpu = min(swap_slots, swapped) * layer_bytes  # reused GPU slots of the swapped layers
+    weights = 2 * params - swapped * layer_bytes
     largest = V * h
     chunk = min(chunk_numel, largest)
     slots = inflight * chunk * (2 + 8 / block + (2 if offload_gradients else 0))
@@ -143,17 +151,20 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
         phase = max(checkpoints + loss + head_grad, grads_kept + layer_ws)
     else:  # updates lag backward by about a layer
         phase = checkpoints + max(loss + head_grad, layer_ws + 2 * layer_grads)
-    allocated = weights + slots + update_temps + phase
+    allocated = weights + swap_gpu + slots + update_temps + phase
     slack = 9 * T * inter * 2  # allocator blocks freed between layers but not reused across sizes
     reserved = allocated + slack
 
     states = 2 * params * (1 + 4 / block)
     host_grads = 2 * params if offload_gradients else 0
     host_acts = L * ckpt_per_layer if activation_offload else 0
-    pinned = states + host_grads + host_acts
+    pinned = states + host_grads + host_acts + swapped * layer_bytes
     host = 1.5 * GiB + pinned
 
-    pcie = 2 * states + 2 * host_grads + 2 * host_acts
+    # a swapped layer is fetched twice per step (forward, recompute + backward) and, changed, copied back once
+    # (with clipping, once more for the update after backward)
+    swap_h2d, swap_d2h = (3 if clip else 2) * swapped * layer_bytes, swapped * layer_bytes
+    pcie = 2 * states + 2 * host_grads + 2 * host_acts + swap_h2d + swap_d2h
     flops = 8 * params * T + 8 * L * T * seq * h  # weights (fwd + recompute + bwd) + causal attention
     t_compute = flops / machine.train_flops
     t_native = t_compute + 16 * params / 4.0e12  # native AdamW reads/writes ~16 bytes/param at ~4 TB/s
@@ -172,9 +183,12 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
         step = t_compute * machine.backward_inflation + t_cpu
     if activation_offload:
         step += max(0.0, host_acts / (machine.d2h_gb_s * 1e9) - t_compute / 4)  # forward copies beyond overlap
+    if swapped:  # the copy engines are busy for (states + layers + activations) each way: the step is the longer
+        h2d_s = (states + host_grads + host_acts + swap_h2d) / (machine.h2d_gb_s * 1e9)
+        step = max(step, h2d_s, (states + host_grads + host_acts + swap_d2h) / (machine.d2h_gb_s * 1e9))
     return dict(reserved=reserved, allocated=allocated, host=host, pinned=pinned, pcie=pcie, step=step,
                 native=t_native,
-                breakdown={"weights": weights / GiB, "optimizer slots": (slots + update_temps) / GiB,
+                breakdown={"weights": weights / GiB, "swap slots": swap_gpu / GiB, "optimizer slots": (slots + update_temps) / GiB,
                            "gradients kept": grads_kept / GiB, "checkpointed activations": checkpoints / GiB,
                            "largest transient": (phase - checkpoints - grads_kept) / GiB if not grads_kept
                            else (phase - grads_kept) / GiB, "allocator slack": slack / GiB})
@@ -183,14 +197,18 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
 def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = None,
          host_memory_gb: float | None = None, max_grad_norm: float = 1.0, loss_chunk: int = 1024,
          chunk_numel: int = 2**25, inflight: int = 4, activation_offload: bool | None = None,
-         offload_gradients: bool | None = None, params: int | None = None,
+         offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
          machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
+
+    `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
+    an int keeps that many resident.
 
     Raises PlanError, naming the knob to change, when none fits.
     """
     shape = ModelShape.from_config(config)
     n = params or shape.params
+    L = shape.layers
     clip = bool(max_grad_norm and max_grad_norm > 0)
     acts = [False, True] if activation_offload is None else [activation_offload]
     grads = ([False, True] if offload_gradients is None else [offload_gradients]) if clip else [False]
@@ -199,21 +217,36 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     estimate = functools.partial(_estimate, shape, n, clip=clip, loss_chunk=loss_chunk, chunk_numel=chunk_numel,
                                  inflight=inflight, machine=machine)
     tried = []
-    for act in acts:
-        for og in grads:
-            e = estimate(batch=batch, seq=seq, offload_gradients=og, activation_offload=act)
-            p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, activation_offload=act,
-                     gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
-                     gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB,
-                     host_peak_gib=e["host"] / GiB, pinned_gib=e["pinned"] / GiB, pcie_gb_per_step=e["pcie"] / 1e9,
-                     step_s=e["step"], native_step_s=e["native"], breakdown=e["breakdown"])
-            p.fits = e["reserved"] <= gpu_usable and e["host"] <= host_usable
-            tried.append(p)
-            if p.fits:
-                if clip and og:
-                    p.notes.append("exact clipping with offloaded gradients moves 4 bytes/param after backward; "
-                                   "max_grad_norm: 0 updates during backward instead (faster, no clipping)")
-                return p
+    # Every layer resident first (no swap traffic); then as many resident layers as fit.
+    if layer_swap is False:
+        residents = [L]
+    elif layer_swap is None or layer_swap is True:
+        residents = range(L, -1, -1)
+    else:
+        residents = [min(int(layer_swap), L)]
+    for resident in residents:
+        for act in acts:
+            for og in grads:
+                e = estimate(batch=batch, seq=seq, offload_gradients=og, activation_offload=act, resident=resident)
+                p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, activation_offload=act,
+                         gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
+                         resident_layers=resident, layers=L,
+                         gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB,
+                         host_peak_gib=e["host"] / GiB, pinned_gib=e["pinned"] / GiB,
+                         pcie_gb_per_step=e["pcie"] / 1e9, step_s=e["step"], native_step_s=e["native"],
+                         breakdown=e["breakdown"])
+                p.fits = e["reserved"] <= gpu_usable and e["host"] <= host_usable
+                tried.append(p)
+                if p.fits:
+                    if clip and og:
+                        p.notes.append("exact clipping with offloaded gradients moves 4 bytes/param after backward; "
+                                       "max_grad_norm: 0 updates during backward instead (faster, no clipping)")
+                    if resident < L and clip:
+                        p.notes.append("with layers swapped, exact clipping fetches each swapped layer once more "
+                                       "for its update after backward: max_grad_norm: 0 avoids it")
+                    return p
+        if resident < L and any(t.gpu_peak_gib * GiB <= gpu_usable for t in tried):
+            break  # fewer resident layers only need more host RAM
     raise PlanError(_advice(tried, estimate, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb,
                             machine))
 
@@ -221,17 +254,24 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
 def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine) -> str:
     best = min(tried, key=lambda p: p.gpu_peak_gib)
     same_switches = functools.partial(estimate, offload_gradients=best.offload_gradients,
-                                      activation_offload=best.activation_offload)
+                                      activation_offload=best.activation_offload, resident=best.resident_layers)
     msgs = []
     if best.gpu_peak_gib * GiB > gpu_usable:
         fixed = same_switches(batch=1, seq=8)
         msgs.append(f"GPU: needs {best.gpu_peak_gib:.1f} GiB (the leanest plan tried) but {gpu_gb:g} GiB leaves "
                     f"{gpu_usable / GiB:.1f} GiB for PyTorch.")
-        if fixed["reserved"] > gpu_usable:
-            msgs.append(f"The weights alone ({2 * n / GiB:.1f} GiB in bf16) and the optimizer's buffers do not fit: "
-                        f"use LoRA (peft), or a GPU with more than "
-                        f"{fixed['reserved'] / GiB + machine.cuda_context_gib:.0f} GiB "
-                        f"(the layer-swap engine is not available yet).")
+        swap_helps = best.resident_layers == best.layers and estimate(
+            batch=batch, seq=seq, offload_gradients=best.offload_gradients, activation_offload=True,
+            resident=0)["reserved"] <= gpu_usable
+        if swap_helps:
+            msgs.append("Swapping decoder layers through pinned CPU memory fits: layer_swap: auto "
+                        "(the planner keeps as many layers on the GPU as fit).")
+        elif fixed["reserved"] > gpu_usable:
+            msgs.append(f"The weights alone ({2 * n / GiB:.1f} GiB in bf16) and the optimizer's buffers do not fit"
+                        + (f" even with {best.resident_layers} of {best.layers} layers on the GPU"
+                           if best.resident_layers < best.layers else "")
+                        + f": use LoRA (peft), or a GPU with more than "
+                        f"{fixed['reserved'] / GiB + machine.cuda_context_gib:.0f} GiB.")
         else:
             tokens = batch * seq
             while tokens > 8 and same_switches(batch=1, seq=tokens)["reserved"] > gpu_usable:
@@ -263,4 +303,14 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None) -> P
                 activation_offload=getattr(args, "activation_offload", None) if gpu else
                 bool(getattr(args, "activation_offload", False)),
                 offload_gradients=getattr(args, "offload_gradients", None) if gpu else
-                bool(getattr(args, "offload_gradients", False)))
+                bool(getattr(args, "offload_gradients", False)),
+                layer_swap=layer_swap_setting(getattr(args, "layer_swap", "off")))
+
+
+def layer_swap_setting(value) -> bool | int | None:
+    """The `layer_swap` argument ('off', 'auto' or a number of resident layers) as `plan(layer_swap=...)`."""
+    if value in (None, "off", False, "false", "False"):
+        return False
+    if value in ("auto", True, "true", "True"):
+        return None
+    return int(value)

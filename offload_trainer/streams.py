@@ -34,14 +34,14 @@ class _NullStream:
 class Streams:
     """The compute device's streams: `h2d`, `update`, `d2h`; `compute()` is whatever is current."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, *, update_stream: bool = True):
         self.device = device
         self.is_cuda = device.type == "cuda"
         if self.is_cuda:
             self.h2d = torch.cuda.Stream(device)
             # High priority: the next forward waits for these updates, and without priority the update kernels
             # get few SMs next to the forward's matmuls (measured 3.5x slower on 8B).
-            self.update = torch.cuda.Stream(device, priority=-1)
+            self.update = torch.cuda.Stream(device, priority=-1) if update_stream else None
             self.d2h = torch.cuda.Stream(device)
         else:
             self.h2d = self.update = self.d2h = _NullStream()
@@ -70,7 +70,46 @@ class Streams:
     def synchronize(self) -> None:
         if self.is_cuda:
             for s in (self.h2d, self.update, self.d2h):
-                s.synchronize()
+                if s is not None:
+                    s.synchronize()
+
+
+class StallMeter:
+    """Time the compute stream spends waiting for side-stream work (a layer's weights, an update).
+
+    `wait(stream, event)` makes `stream` wait for `event`; if the event has not completed when the wait is
+    queued, two timing events around the wait measure how long the stream actually sat there.
+    """
+
+    def __init__(self, streams: Streams):
+        self._streams = streams
+        self._pending: list = []
+        self._ms = 0.0
+        self.waits = 0  # waits queued before their event had completed (possible stalls)
+
+    def wait(self, stream, event) -> None:
+        if event is None:
+            return
+        if not self._streams.is_cuda or event.query():
+            stream.wait_event(event)
+            return
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(stream)
+        stream.wait_event(event)
+        after.record(stream)
+        self._pending.append((before, after))
+        self.waits += 1
+
+    def total_ms(self) -> float:
+        """Stall time so far (waits whose end the GPU has not reached yet are counted later)."""
+        still = []
+        for before, after in self._pending:
+            if after.query():
+                self._ms += before.elapsed_time(after)
+            else:
+                still.append((before, after))
+        self._pending = still
+        return self._ms
 
 
 def pinned_empty(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:

@@ -1,0 +1,134 @@
+"""Layer swap against the unswapped model: identical losses, gradients and weights (CPU; `gpu` on CUDA)."""
+import copy
+
+import pytest
+import torch
+
+from helpers import tiny_setup
+from offload_trainer.optim import StreamedAdamW8bit
+from offload_trainer.swap import LayerSwap, spread_swapped
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def test_spread_swapped():
+    assert spread_swapped(8, 4) == [1, 3, 5, 7]
+    assert spread_swapped(6, 2) == [2, 5]
+    assert spread_swapped(4, 0) == []
+    assert spread_swapped(4, 4) == [0, 1, 2, 3]
+    with pytest.raises(ValueError):
+        spread_swapped(4, 5)
+
+
+def setup(device, layers=6, dtype=torch.float32, hidden=None):
+    model, _, train = tiny_setup(layers=layers)
+    model.to(dtype)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    model.train()
+    swapped = copy.deepcopy(model)
+    model.to(device)
+    batches = [{k: torch.stack([train[i + j][k] for j in range(2)]).to(device) for k in train[0]}
+               for i in range(0, 24, 2)]
+    return model, swapped, batches
+
+
+def install(model, device, resident, prefetch):
+    model.model.embed_tokens.to(device)
+    model.model.norm.to(device)
+    model.model.rotary_emb.to(device)
+    model.lm_head.to(device)
+    return LayerSwap(model.model.layers, device, resident=resident, prefetch=prefetch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_swapped_gradients_are_identical(device, prefetch):
+    ref, model, batches = setup(device)
+    swap = install(model, device, resident=2, prefetch=prefetch)
+    assert swap.swapped_indices == [1, 2, 4, 5]
+    for batch in batches[:2]:
+        for m in (ref, model):
+            m.zero_grad()
+            m(**batch).loss.backward()
+        for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad.to(device)), name
+    # eval under no_grad walks the layers in forward order only
+    with torch.no_grad():
+        assert torch.equal(ref(**batches[2]).logits, model(**batches[2]).logits)
+    assert swap.stats["loads"] > 0
+    stats = swap.memory_stats()
+    assert stats["swapped_layers"] == 4 and stats["resident_layers"] == 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("clip", [False, True], ids=["update_in_backward", "exact_clip"])
+def test_full_finetune_with_streamed_optimizer_matches_unswapped(device, clip):
+    """Swapped layers are updated in their slots and copied back; the next fetch sees the new weights."""
+    ref, model, batches = setup(device)
+    swap = install(model, device, resident=2, prefetch=0)  # 2 slots for 4 swapped layers: evictions every pass
+    kw = dict(lr=1e-2, update_in_backward=not clip, offload_gradients=clip, chunk_numel=4096, inflight_chunks=2,
+              bf16_stochastic_round=False)
+    ref_opt = StreamedAdamW8bit(ref.parameters(), **kw)
+    opt = StreamedAdamW8bit(model.parameters(), **kw)
+    ref_opt.attach(ref)
+    opt.attach(model)
+    opt.set_residency(swap.touch)
+    losses = {id(ref): [], id(model): []}
+    for batch in batches:
+        for m, o in ((ref, ref_opt), (model, opt)):
+            loss = m(**batch).loss
+            loss.backward()
+            if clip:
+                o.clip_grad_norm_(0.5)
+            o.step()
+            o.zero_grad()
+            losses[id(m)].append(loss.item())
+    opt.synchronize()
+    swap.synchronize()
+    assert losses[id(ref)] == losses[id(model)]
+    assert losses[id(ref)][-1] < losses[id(ref)][0]
+    assert swap.stats["d2h_bytes"] > 0  # changed layers were copied back
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b.to(device)), name
+
+
+def test_state_dict_tensors_do_not_share_storage(tmp_path):
+    ref, model, _ = setup("cpu", layers=4)
+    install(model, "cpu", resident=1, prefetch=0)
+    model.save_pretrained(tmp_path)  # refuses (or silently drops) tensors that share storage
+    from transformers import AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    for (name, a), b in zip(ref.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lora_swaps_frozen_weights_only(device):
+    from peft import LoraConfig, get_peft_model
+
+    ref, model, batches = setup(device, layers=4)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    ref = get_peft_model(ref, cfg)
+    torch.manual_seed(1)
+    for n, p in ref.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)  # non-zero so the base weights matter for the adapters' grads
+    model = get_peft_model(model, cfg)
+    model.load_state_dict({k: v.cpu() for k, v in ref.state_dict().items()})
+    inner = model.get_base_model()
+    swap = install(inner, device, resident=1, prefetch=1)
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    assert all(p.device.type == torch.device(device).type for p in adapters)  # adapters stay on the device
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (ref, model)]
+    for batch in batches[:6]:
+        losses = []
+        for m, o in zip((ref, model), opts):
+            loss = m(**batch).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        assert losses[0] == losses[1]
+    assert swap.stats["d2h_bytes"] == 0  # frozen weights are never copied back
