@@ -130,6 +130,17 @@ class OffloadTrainingArguments(TrainingArguments):
         metadata={"help": "Tokens per chunk of the LM-head + cross-entropy, so full logits are never "
                           "materialised (0 = the model's own loss). Saves ~batch*seq*vocab*4 bytes."},
     )
+    layer_swap: str = field(
+        default="off",
+        metadata={"help": "Keep only some decoder layers on the GPU; the others live in pinned CPU memory and are "
+                          "fetched into reused GPU slots one layer ahead, overlapped with compute (for models whose "
+                          "weights do not fit: 14B full finetune, 70B QLoRA on 24 GiB). 'off', 'auto' (the planner "
+                          "keeps as many as fit gpu_memory_limit_gb, or the card), or a number of resident layers. "
+                          "Needs gradient_checkpointing."},
+    )
+    layer_swap_prefetch: int = field(
+        default=1, metadata={"help": "Swapped layers fetched ahead of use (GPU slots = prefetch + 2)."},
+    )
     gpu_memory_limit_gb: float | None = field(
         default=None,
         metadata={"help": "Cap this process's GPU memory (GiB), e.g. 24 to emulate a 24 GB card on a bigger one."},
@@ -159,5 +170,14 @@ class OffloadTrainingArguments(TrainingArguments):
         if self.activation_offload and not checkpointing_on(self):
             raise ValueError("activation_offload offloads the inputs that gradient checkpointing keeps: "
                              "set gradient_checkpointing: true as well")
+        self.layer_swap = str(self.layer_swap).strip().lower()
+        if self.layer_swap not in ("off", "auto") and not self.layer_swap.isdigit():
+            raise ValueError(f"layer_swap={self.layer_swap!r}: use off, auto, or a number of decoder layers to keep "
+                             f"on the GPU")
+        if self.layer_swap != "off" and not checkpointing_on(self):
+            raise ValueError("layer_swap fetches each swapped layer again for its recompute in backward: set "
+                             "gradient_checkpointing: true as well")
+        if self.layer_swap_prefetch < 0:
+            raise ValueError(f"layer_swap_prefetch={self.layer_swap_prefetch}: use 0 or more")
         if self.gpu_memory_limit_gb is not None and self.gpu_memory_limit_gb <= 0:
             raise ValueError(f"gpu_memory_limit_gb={self.gpu_memory_limit_gb}: give a positive number of GiB")

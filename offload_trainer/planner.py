@@ -261,18 +261,18 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
         msgs.append(f"GPU: needs {best.gpu_peak_gib:.1f} GiB (the leanest plan tried) but {gpu_gb:g} GiB leaves "
                     f"{gpu_usable / GiB:.1f} GiB for PyTorch.")
         swap_helps = best.resident_layers == best.layers and estimate(
-            batch=batch, seq=seq, offload_gradients=best.offload_gradients, activation_offload=True,
-            resident=0)["reserved"] <= gpu_usable
+            batch=batch, seq=seq, offload_gradients=best.offload_gradients,
+            activation_offload=best.activation_offload, resident=0)["reserved"] <= gpu_usable
         if swap_helps:
             msgs.append("Swapping decoder layers through pinned CPU memory fits: layer_swap: auto "
                         "(the planner keeps as many layers on the GPU as fit).")
-        elif fixed["reserved"] > gpu_usable:
+        if fixed["reserved"] > gpu_usable and not swap_helps:
             msgs.append(f"The weights alone ({2 * n / GiB:.1f} GiB in bf16) and the optimizer's buffers do not fit"
                         + (f" even with {best.resident_layers} of {best.layers} layers on the GPU"
                            if best.resident_layers < best.layers else "")
                         + f": use LoRA (peft), or a GPU with more than "
                         f"{fixed['reserved'] / GiB + machine.cuda_context_gib:.0f} GiB.")
-        else:
+        elif fixed["reserved"] <= gpu_usable:
             tokens = batch * seq
             while tokens > 8 and same_switches(batch=1, seq=tokens)["reserved"] > gpu_usable:
                 tokens //= 2

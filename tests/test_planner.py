@@ -47,8 +47,10 @@ def test_activation_offload_is_chosen_when_only_it_fits():
 
 
 def test_refusals_say_what_to_change():
-    with pytest.raises(PlanError, match="use LoRA"):  # 14B bf16 weights alone are 27.5 GiB
+    with pytest.raises(PlanError, match="layer_swap: auto"):  # 14B bf16 weights alone are 27.5 GiB
         plan(architecture_config("qwen2.5-14b"), batch=1, seq=2048, gpu_memory_limit_gb=24)
+    with pytest.raises(PlanError, match="use LoRA"):  # 70B: even the embeddings and a layer's working set
+        plan(architecture_config("llama3-70b"), batch=1, seq=2048, gpu_memory_limit_gb=6, layer_swap=None)
     with pytest.raises(PlanError, match=r"per_device_train_batch_size=\d"):
         plan(architecture_config("llama3-8b"), batch=8, seq=8192, gpu_memory_limit_gb=24, max_grad_norm=0)
     with pytest.raises(PlanError, match=r"Host RAM: the plans that fit the GPU need 31.\d GiB .* max_grad_norm: 0"):
@@ -71,7 +73,12 @@ def test_plan_command_table_json_and_refusal(capsys, tmp_path):
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and not out["clip"] and out["gpu_peak_gib"] < 23.3
     assert cli.main(["plan", "configs/tiny-cpu.yaml", "model_config=qwen2.5-14b", "gpu_memory_limit_gb=24"]) == 2
-    assert "use LoRA" in capsys.readouterr().err
+    assert "layer_swap: auto" in capsys.readouterr().err
+    assert cli.main(["plan", "configs/tiny-cpu.yaml", "model_config=qwen2.5-14b", "gpu_memory_limit_gb=24",
+                     "layer_swap=auto", "gradient_checkpointing=true", "max_seq_length=2048", "--json"]) in (0, 2)
+    out, err = capsys.readouterr()
+    # with swapping the GPU fits; whether the host does depends on this machine's RAM (~58 GiB pinned needed)
+    assert json.loads(out)["resident_layers"] < 48 if out else "Host RAM: the plans that fit the GPU need" in err
 
 
 def test_train_refuses_before_loading_weights(capsys, monkeypatch):
@@ -86,3 +93,21 @@ def test_gpu_configs_fit_their_budget_per_the_planner(capsys):
     assert cli.main(["plan", "configs/llama3-8b-full-24gb.yaml", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and out["gpu_peak_gib"] <= 24 - 0.7
+
+
+def test_layer_swap_keeps_as_many_layers_as_fit():
+    cfg = architecture_config("qwen2.5-14b")
+    p = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0, layer_swap=None)
+    assert 0 < p.resident_layers < 48 and p.gpu_peak_gib <= 24 - 0.7
+    more = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=None, max_grad_norm=0, layer_swap=p.resident_layers + 1,
+                activation_offload=p.activation_offload)
+    assert more.gpu_peak_gib > 24 - 0.7  # one more resident layer would not fit: the planner took the most
+    layer_bytes = 2 * ModelShape.from_config(cfg).layer_params  # 0.59 GB of bf16 per Qwen2.5-14B layer
+    swapped = 48 - p.resident_layers
+    assert p.breakdown["swap slots"] == pytest.approx(3 * layer_bytes / GiB)  # prefetch 1 + 2 slots
+    states = 2 * p.params * (1 + 4 / 256)
+    acts = 48 * 4 * 2048 * 5120 * 2 if p.activation_offload else 0
+    # each swapped layer: fetched for forward and for recompute + backward, copied back once after its update
+    assert p.pcie_gb_per_step == pytest.approx((2 * states + 2 * acts + 3 * swapped * layer_bytes) / 1e9)
+    assert p.pinned_gib == pytest.approx((states + acts + swapped * layer_bytes) / GiB)
+    assert "swapped" in p.table()
