@@ -32,7 +32,7 @@ def planner_table(rows) -> None:
 def main(paths: list[str]) -> None:
     rows = [r for p in paths for r in json.load(open(p))]
     native = {(r["run_id"], r["model"], r["seq_len"], r["tokens_per_step"]): r["tok_per_s"]
-              for r in rows if r["system"] == "native" and r["tok_per_s"]}
+              for r in rows if r["system"] in ("native", "native_8bit") and r["tok_per_s"]}
     print("| run | commit | model | system | GPU cap | batch x seq | tok/s | vs native | step s | "
           "peak reserved GiB | host peak GiB | pinned GiB | GPU idle ms (profiled step) | note |")
     print("|" + " --- |" * 14)
@@ -43,6 +43,11 @@ def main(paths: list[str]) -> None:
         note = r["error"] or ""
         if e.get("activation_offload"):
             note = "activation offload; " + note
+        if "resident_layers" in e:
+            note = (f"{e['resident_layers']}/{e['layers']} layers resident, {e['layers'] - e['resident_layers']} "
+                    f"swapped, layer stall {e.get('layer_stall_ms', '-')} ms; ") + note
+        if r["system"] == "native_8bit":
+            note = "torchao AdamW8bit on the GPU (fp32 AdamW states do not fit 139 GiB); " + note
         if r["system"].endswith("noclip"):
             note = note + "updates during backward, no clipping"
         elif "offload_gradients" in e:
