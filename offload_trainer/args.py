@@ -146,6 +146,11 @@ class OffloadTrainingArguments(TrainingArguments):
         metadata={"help": "Cap this process's GPU memory (GiB), e.g. 24 to emulate a 24 GB card on a bigger one."},
     )
 
+    @property
+    def place_model_on_device(self) -> bool | None:
+        # With layer swap the Trainer must not move the whole model: OffloadTrainer places it layer by layer.
+        return False if str(self.layer_swap).lower() != "off" else None
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.offload_optimizer:

@@ -292,9 +292,10 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
     return "no plan fits. " + " ".join(msgs)
 
 
-def plan_from_args(args, config, seq: int, *, host_gb: float | None = None) -> Plan:
-    """The planner for a TrainingArguments-like object and a model config (raises PlanError)."""
-    gpu = getattr(args, "gpu_memory_limit_gb", None)
+def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_gb: float | None = None) -> Plan:
+    """The planner for a TrainingArguments-like object and a model config (raises PlanError).
+    `gpu_gb`: the GPU budget when `gpu_memory_limit_gb` is unset (e.g. the card's free memory)."""
+    gpu = getattr(args, "gpu_memory_limit_gb", None) or gpu_gb
     return plan(config, batch=args.per_device_train_batch_size, seq=seq, gpu_memory_limit_gb=gpu,
                 host_memory_gb=host_gb, max_grad_norm=args.max_grad_norm or 0.0,
                 loss_chunk=getattr(args, "loss_chunk_size", 1024),

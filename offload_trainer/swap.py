@@ -142,6 +142,11 @@ class LayerSwap:
             else:
                 self._handles.append(layer.register_forward_pre_hook(self._make_resident_hook(i), prepend=True))
 
+    @property
+    def trainable_swapped(self) -> bool:
+        """Some swapped tensors are trained (full finetune): the optimizer must update them via `touch`."""
+        return bool(self._by_param)
+
     # ------------------------------------------------------------------ setup
     def _offload(self, i: int, layer: nn.Module, swap_trainable: bool | None) -> _Layer:
         frozen_refs, trainable_refs = [], []

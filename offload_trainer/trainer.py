@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import logging
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from .args import OffloadTrainingArguments, checkpointing_on
 from .loss import chunked_causal_lm_loss
 from .optim import StreamedAdamW8bit
 from .planner import Plan, PlanError, plan_from_args
+from .swap import LayerSwap
 from .sysinfo import rss_gib
 
 logger = logging.getLogger("offload_trainer")
@@ -53,6 +55,12 @@ def _head_and_decoder(model: nn.Module):
     return decoder, head
 
 
+def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The largest ModuleList (the decoder layers of any HF causal LM)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+
+
 class OffloadMixin:
     """Mix into a `transformers.Trainer` subclass (before it): `class T(OffloadMixin, Trainer)`."""
 
@@ -67,6 +75,8 @@ class OffloadMixin:
         self._plan: Plan | None = None
         self._activations = None  # the ActivationOffloader, once installed in this train()
         self._want_activations = False
+        self._swap: LayerSwap | None = None
+        self._install_layer_swap()
 
     def _flag(self, name: str):
         # A plain TrainingArguments (a script that only swapped Trainer for OffloadTrainer) gets our defaults.
@@ -75,6 +85,9 @@ class OffloadMixin:
     # -------------------------------------------------------------- plan
     def train(self, *args, **kwargs):
         self._make_plan()
+        if self._swap is not None:  # a checkpoint loaded by train() must land in the host copies
+            self._swap.offload_all()
+            self._swap.synchronize()
         # Trainer.train() (re)enables plain checkpointing before its loop; ours goes on top at the first step.
         self._activations = None
         self._want_activations = self._resolved("activation_offload") and checkpointing_on(self.args)
@@ -90,8 +103,11 @@ class OffloadMixin:
         sample = self.train_dataset[0] if self.train_dataset is not None and len(self.train_dataset) else None
         if config is None or not isinstance(sample, dict) or "input_ids" not in sample:
             return
+        gpu_gb = getattr(self.args, "gpu_memory_limit_gb", None)
+        if not gpu_gb and self._flag("layer_swap") == "auto" and torch.cuda.is_available():
+            gpu_gb = torch.cuda.mem_get_info()[0] / 2**30  # no cap given: what the card has free
         try:
-            self._plan = plan_from_args(self.args, config, len(sample["input_ids"]))
+            self._plan = plan_from_args(self.args, config, len(sample["input_ids"]), gpu_gb=gpu_gb)
         except (AttributeError, TypeError):  # not a decoder-only LM config the planner knows
             return
         except PlanError:
@@ -105,6 +121,50 @@ class OffloadMixin:
         if value is None and self._plan is not None:
             value = getattr(self._plan, name)
         return bool(value)
+
+    # -------------------------------------------------------------- layer swap
+    def _install_layer_swap(self) -> None:
+        """Keep `layer_swap` decoder layers on the device (planner's choice for 'auto'); the rest swap."""
+        mode = self._flag("layer_swap")
+        if mode == "off":
+            return
+        model = self.model
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        layers = _decoder_layers(inner)
+        if layers is None:
+            raise ValueError("layer_swap needs a model whose decoder layers are an nn.ModuleList (every HF causal LM)")
+        if mode == "auto":
+            self._make_plan()
+            if self._plan is None:
+                raise ValueError("layer_swap: auto asks the planner, which models full finetuning of a decoder-only "
+                                 "LM with offload_optimizer; give the number of layers to keep on the GPU instead "
+                                 f"(e.g. layer_swap: {len(layers) // 2})")
+            resident = self._plan.resident_layers
+        else:
+            resident = min(int(mode), len(layers))
+        device = self.args.device
+        in_layers = {id(m) for m in layers.modules()}
+        for m in inner.modules():  # everything but the decoder layers lives on the device
+            if id(m) not in in_layers:
+                for name, p in m._parameters.items():
+                    if p is not None:
+                        p.data = p.data.to(device)
+                for name, b in m._buffers.items():
+                    if b is not None:
+                        m._buffers[name] = b.to(device)
+        self._swap = LayerSwap(layers, device, resident=resident, prefetch=self._flag("layer_swap_prefetch"))
+        if self._swap.trainable_swapped and not self._flag("offload_optimizer"):
+            raise ValueError("layer_swap with trainable swapped layers (full finetune) needs offload_optimizer: true: "
+                             "the streamed optimizer updates each swapped layer while it is on the GPU. (With LoRA "
+                             "only the frozen base weights are swapped and any optimizer works.)")
+        # A map with more than one entry tells the Trainer and accelerate not to move the model as a whole.
+        prefix = next(n for n, m in model.named_modules() if m is layers)
+        model.hf_device_map = {"": str(device), **{f"{prefix}.{i}": "cpu" for i in self._swap.swapped_indices}}
+        stats = self._swap.memory_stats()
+        logger.info("layer swap: %d of %d decoder layers on %s, %d in pinned CPU memory (%.2f GiB), "
+                    "%.2f GiB of GPU slots, prefetch %d", stats["resident_layers"], len(layers), device,
+                    stats["swapped_layers"], stats["host_bytes"] / 2**30, stats["gpu_slot_bytes"] / 2**30,
+                    self._swap.prefetch)
 
     # -------------------------------------------------------------- optimizer
     def create_optimizer(self, model=None):
@@ -132,6 +192,8 @@ class OffloadMixin:
                 inflight_chunks=self._flag("offload_inflight_chunks"),
             )
             self._offload_opt.attach(model)
+            if self._swap is not None:
+                self._offload_opt.set_residency(self._swap.touch)
             self.optimizer = self._offload_opt
             mode = "after backward, clipped to max_grad_norm" if clip else "during backward (no clipping)"
             logger.info("optimizer: AdamW, 8-bit states in %s memory, updates streamed %s",
@@ -176,14 +238,21 @@ class OffloadMixin:
                                       num_items_in_batch=num_items_in_batch)
 
     # -------------------------------------------------------------- weights read outside forward
-    def save_model(self, output_dir=None, _internal_call=False):
-        if self._offload_opt is not None:
-            self._offload_opt.synchronize()  # updates may still be in flight on the update stream
-        return super().save_model(output_dir, _internal_call)
-
-    def evaluate(self, *args, **kwargs):
+    def _synchronize(self) -> None:
+        """Updates may still be in flight on the update stream, copies of swapped layers on theirs."""
         if self._offload_opt is not None:
             self._offload_opt.synchronize()
+        if self._swap is not None:
+            self._swap.synchronize()
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        self._synchronize()
+        with warnings.catch_warnings():  # swapped layers are in host memory, not on disk: nothing to warn about
+            warnings.filterwarnings("ignore", message="Attempting to save a model with offloaded modules")
+            return super().save_model(output_dir, _internal_call)
+
+    def evaluate(self, *args, **kwargs):
+        self._synchronize()
         return super().evaluate(*args, **kwargs)
 
     # -------------------------------------------------------------- logs

@@ -107,3 +107,40 @@ def test_activation_offload_through_the_trainer(tmp_path):
     assert off.stats["h2d_bytes"] == off.stats["d2h_bytes"]  # every offloaded input came back for its recompute
     losses = losses_of(trainer)
     assert len(losses) == 2 and losses[1] < losses[0]
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
+def test_layer_swap_through_the_trainer_matches_unswapped_and_resumes(tmp_path, max_grad_norm):
+    def run(swap, out, stop=None, resume=None, seed=0):
+        model, _, train = tiny_setup(seq=32, layers=4, seed=seed)
+        args = make_args(tmp_path / out, max_steps=8, save_steps=4, max_grad_norm=max_grad_norm,
+                         gradient_checkpointing=True, layer_swap=swap)
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=train,
+                                 callbacks=[StopAt(stop)] if stop else None)
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    plain = run("off", "plain")
+    swapped = run("2", "swap")
+    assert swapped._swap.memory_stats()["swapped_layers"] == 2 and swapped._swap.stats["loads"] > 0
+    assert losses_of(swapped) == losses_of(plain)  # CPU: exact
+    run("2", "cut", stop=4)
+    resumed = run("2", "cut", resume=str(tmp_path / "cut" / "checkpoint-4"), seed=123)
+    assert losses_of(resumed) == losses_of(plain)
+    # the saved model holds the trained weights of swapped layers too
+    from transformers import AutoModelForCausalLM
+
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "swap" / "checkpoint-8", dtype=torch.float32)
+    for (name, a), b in zip(plain.model.state_dict().items(), back.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_layer_swap_refusals(tmp_path):
+    with pytest.raises(ValueError, match="gradient_checkpointing"):
+        make_args(tmp_path, layer_swap="auto")
+    with pytest.raises(ValueError, match="layer_swap='most'"):
+        make_args(tmp_path, layer_swap="most", gradient_checkpointing=True)
+    model, _, train = tiny_setup(layers=4)
+    args = make_args(tmp_path, layer_swap="2", gradient_checkpointing=True, offload_optimizer=False, optim="adamw_torch")
+    with pytest.raises(ValueError, match="needs offload_optimizer"):
+        OffloadTrainer(model=model, args=args, train_dataset=train)
