@@ -1,7 +1,8 @@
 """offload_trainer: full-finetune LLMs on one small GPU.
 
 The mechanisms import torch (and torchao) only and work from a bare training loop:
-`StreamedAdamW8bit` (optim.py), `chunked_causal_lm_loss` (loss.py). The Trainer shell
+`StreamedAdamW8bit` (optim.py), `LayerSwap` (swap.py), `ActivationOffloader` (activations.py),
+`chunked_causal_lm_loss` (loss.py), `plan` (planner.py). The Trainer shell
 (`OffloadTrainer`, `OffloadTrainingArguments`) is loaded on first use, so importing a
 mechanism does not import transformers.
 """
@@ -16,6 +17,12 @@ __all__ = [
     "StreamedAdamW8bit",
     "chunked_causal_lm_loss",
     "forward_units",
+    "LayerSwap",
+    "ActivationOffloader",
+    "plan",
+    "CheckpointError",
+    "TrainingInterrupted",
+    "TrainingStopped",
 ]
 
 _WHERE = {
@@ -26,6 +33,12 @@ _WHERE = {
     "StreamedAdamW8bit": "optim",
     "forward_units": "optim",
     "chunked_causal_lm_loss": "loss",
+    "LayerSwap": "swap",
+    "ActivationOffloader": "activations",
+    "plan": "planner",
+    "CheckpointError": "errors",
+    "TrainingInterrupted": "errors",
+    "TrainingStopped": "errors",
 }
 
 

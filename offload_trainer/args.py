@@ -58,6 +58,10 @@ class ModelArguments:
                 "give exactly one of `model_name_or_path` (pretrained weights) or `model_config` "
                 "(a named architecture with random init, e.g. model_config: tiny-llama)"
             )
+        if self.model_config is not None:
+            from .models import architecture_config
+
+            architecture_config(self.model_config)  # an unknown name fails here, with the closest known one
         if self.lora_r < 0:
             raise ValueError(f"lora_r={self.lora_r}: use 0 (full finetune) or a positive rank such as 16")
         if self.torch_dtype not in ("bfloat16", "float32", "float16"):
@@ -141,6 +145,17 @@ class OffloadTrainingArguments(TrainingArguments):
     layer_swap_prefetch: int = field(
         default=1, metadata={"help": "Swapped layers fetched ahead of use (GPU slots = prefetch + 2)."},
     )
+    save_on_interrupt: bool = field(
+        default=True,
+        metadata={"help": "On Ctrl-C / SIGTERM, finish the current step, save a checkpoint, and stop with a "
+                          "message naming it (a second Ctrl-C stops at once)."},
+    )
+    max_nonfinite_steps: int = field(
+        default=5,
+        metadata={"help": "Skip an optimizer step whose loss or gradient norm is NaN/inf (weights and optimizer "
+                          "states unchanged); stop after this many in a row. 0: no check (one GPU sync less per "
+                          "step)."},
+    )
     gpu_memory_limit_gb: float | None = field(
         default=None,
         metadata={"help": "Cap this process's GPU memory (GiB), e.g. 24 to emulate a 24 GB card on a bigger one."},
@@ -152,6 +167,11 @@ class OffloadTrainingArguments(TrainingArguments):
         return False if str(self.layer_swap).lower() != "off" else None
 
     def __post_init__(self) -> None:
+        incompatible = [k for k in ("deepspeed", "fsdp") if getattr(self, k, None)]
+        if incompatible and self.offload_optimizer:  # before the Trainer's checks, which would import DeepSpeed
+            raise ValueError(f"offload_optimizer streams the optimizer states itself and cannot run under "
+                             f"{' / '.join(incompatible)} (which shard or offload them their own way): remove "
+                             f"{', '.join(incompatible)}, or set offload_optimizer: false")
         super().__post_init__()
         if self.offload_optimizer:
             optim = getattr(self.optim, "value", self.optim)
@@ -182,6 +202,8 @@ class OffloadTrainingArguments(TrainingArguments):
         if self.layer_swap != "off" and not checkpointing_on(self):
             raise ValueError("layer_swap fetches each swapped layer again for its recompute in backward: set "
                              "gradient_checkpointing: true as well")
+        if self.max_nonfinite_steps < 0:
+            raise ValueError(f"max_nonfinite_steps={self.max_nonfinite_steps}: use 0 (no check) or a positive count")
         if self.layer_swap_prefetch < 0:
             raise ValueError(f"layer_swap_prefetch={self.layer_swap_prefetch}: use 0 or more")
         if self.gpu_memory_limit_gb is not None and self.gpu_memory_limit_gb <= 0:

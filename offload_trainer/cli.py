@@ -13,6 +13,7 @@ import textwrap
 
 from .config import ConfigError, load_config, parse_args, valid_fields
 from .data import DataError
+from .errors import CheckpointError, TrainingInterrupted, TrainingStopped
 
 logger = logging.getLogger("offload_trainer")
 
@@ -135,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(getattr(args, "overrides", [])) + extra
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+                        force=True)  # bound to the current stderr, also when main() runs again in-process
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     try:
         if args.command == "keys":
@@ -153,11 +155,17 @@ def main(argv: list[str] | None = None) -> int:
             print(export_smollm2(args.out_dir))
         else:
             train(args.config, args.overrides)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
         print(f"offload-trainer: error: {e}", file=sys.stderr)
         return 2
+    except TrainingStopped as e:
+        print(f"offload-trainer: stopped: {e}", file=sys.stderr)
+        return 3
+    except TrainingInterrupted as e:
+        print(f"offload-trainer: interrupted: {e}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
-        print("offload-trainer: interrupted", file=sys.stderr)
+        print("offload-trainer: interrupted (no checkpoint saved at this point)", file=sys.stderr)
         return 130
     return 0
 

@@ -95,6 +95,8 @@ def check_keys_and_types(cfg: dict[str, Any], source: str) -> None:
         if isinstance(value, str) and _admits_float(tp) and not _type_ok(value, tp):
             with contextlib.suppress(ValueError):
                 cfg[key] = value = float(value)
+        if isinstance(value, bool) and not _type_ok(value, tp) and _type_ok("text", tp):
+            cfg[key] = value = "true" if value else "false"  # resume_from_checkpoint: true
         if tp is str and isinstance(value, int) and not isinstance(value, bool):
             cfg[key] = value = str(value)  # e.g. layer_swap: 16 (text fields that also take a number)
         if not _type_ok(value, tp):

@@ -44,10 +44,14 @@ def adamw8bit_chunk(p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap
     Same ops in the same order, with torchao's quantization functions, so results are identical; but a
     compiled call over plain tensors skips the tensor-subclass dispatch, which cost ~1 ms of CPU per call
     and starved the GPU of backward kernels when called from gradient hooks.
+
+    A chunk whose gradient holds a NaN or an infinity is left as it was (weights and 8-bit states): decided
+    on the GPU, so updates queued during backward never wait for the CPU to look.
     """
     block = codes.shape[1] // scales.shape[1]
     p_f32 = p.float()
     grad_f32 = grad.float()
+    ok = torch.isfinite(grad_f32).all()
     p_f32 = p_f32 - lr * weight_decay * p_f32
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
@@ -55,11 +59,11 @@ def adamw8bit_chunk(p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap
     exp_avg_sq_f32 = dequant_with_qmap(codes[1], qmap_unsigned, scales[1]).lerp(grad_f32.square(), 1 - beta2)
     for k, (x, qmap) in enumerate(((exp_avg_f32, qmap_signed), (exp_avg_sq_f32, qmap_unsigned))):
         scaled, scale = scale_tensor(x, block)  # as OptimState8bit.copy_(float tensor)
-        codes[k].copy_(quantize_8bit_with_qmap(scaled, qmap))
-        scales[k].copy_(scale)
+        codes[k].copy_(torch.where(ok, quantize_8bit_with_qmap(scaled, qmap), codes[k]))
+        scales[k].copy_(torch.where(ok, scale, scales[k]))
     denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
     p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
-    p.copy_(_fp32_to_bf16_sr(p_f32) if bf16_stochastic_round else p_f32)
+    p.copy_(torch.where(ok, _fp32_to_bf16_sr(p_f32) if bf16_stochastic_round else p_f32.to(p.dtype), p))
 
 
 def _always_resident(p: Tensor, stream):
@@ -183,6 +187,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._prev_d2h_done = None  # event: the last step's copy-backs finished (host states final)
         self._prev_h2d_done = None  # event: the last step's host gradients were read
         self._residency = _always_resident
+        self._skip = False
         self.stall = StallMeter(self._streams)  # forward waiting for a layer's update
         self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "updates": 0}
 
@@ -291,6 +296,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         """`touch(p, update_stream)`: a context manager around each update of `p`, which makes sure `p` is
         on the device while the update is queued (the layer-swap engine's `LayerSwap.touch`)."""
         self._residency = touch
+
+    def skip_next_step(self) -> None:
+        """The next `step()` drops the gradients instead of updating (a non-finite loss or norm was seen)."""
+        self._skip = True
 
     @contextlib.contextmanager
     def no_update(self):
@@ -455,6 +464,12 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._skip:  # weights and states stay as they are; gradients (device or host) are dropped
+            self._skip = False
+            for p in self._params:
+                p.grad = None
+            self._plan = _StepPlan()
+            return loss
         self._ensure_states()
         S = self._streams
         grads_final = S.record(S.compute())  # after backward and any in-place clipping

@@ -10,17 +10,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import logging
+import math
+import os
+import shutil
+import signal
+import threading
 import time
 import warnings
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .activations import enable_activation_offload
 from .args import OffloadTrainingArguments, checkpointing_on
+from .checkpoint import STAGING_PREFIX, check_checkpoint, check_disk, clean_staging, newest_complete_checkpoint, publish
+from .config import ConfigError
+from .errors import CheckpointError, TrainingInterrupted, TrainingStopped
 from .loss import chunked_causal_lm_loss
 from .optim import StreamedAdamW8bit
 from .planner import Plan, PlanError, plan_from_args
@@ -35,11 +45,15 @@ def _own_default(name: str):
 
 def apply_gpu_memory_limit(gib: float | None) -> None:
     """Cap this process's CUDA memory at `gib` GiB (emulates a smaller card on a bigger one)."""
-    if not gib or not torch.cuda.is_available():
+    if not gib:
         return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"gpu_memory_limit_gb={gib:g} caps GPU memory, but PyTorch sees no CUDA GPU (a CPU-only "
+                          f"torch build, or no driver). Remove gpu_memory_limit_gb to train on the CPU; "
+                          f"`offload-trainer plan` plans for a GPU without one.")
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
     if gib * 2**30 > total:
-        raise ValueError(f"gpu_memory_limit_gb={gib} is more than this GPU has ({total / 2**30:.1f} GiB)")
+        raise ConfigError(f"gpu_memory_limit_gb={gib} is more than this GPU has ({total / 2**30:.1f} GiB)")
     torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
 
 
@@ -55,6 +69,16 @@ def _head_and_decoder(model: nn.Module):
     return decoder, head
 
 
+class _StepEndCallback(TrainerCallback):
+    """Step-boundary decisions of OffloadMixin: skipped non-finite steps, interrupts."""
+
+    def __init__(self, trainer: "OffloadMixin"):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.trainer._on_step_end(control)
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     """The largest ModuleList (the decoder layers of any HF causal LM)."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
@@ -66,6 +90,11 @@ class OffloadMixin:
 
     def __init__(self, *args, **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        incompatible = [k for k in ("deepspeed", "fsdp") if getattr(training_args, k, None)]
+        if incompatible and getattr(training_args, "offload_optimizer", True):
+            raise ConfigError(f"offload_optimizer streams the optimizer states itself and cannot run under "
+                              f"{' / '.join(incompatible)} (which shard or offload them their own way): remove "
+                              f"{', '.join(incompatible)}, or set offload_optimizer: false")
         apply_gpu_memory_limit(getattr(training_args, "gpu_memory_limit_gb", None))
         super().__init__(*args, **kwargs)
         self._offload_opt: StreamedAdamW8bit | None = None
@@ -77,21 +106,165 @@ class OffloadMixin:
         self._want_activations = False
         self._swap: LayerSwap | None = None
         self._install_layer_swap()
+        self._staging_run_dir: str | None = None  # set while a checkpoint is written (see _save_checkpoint)
+        self._interrupted: int | None = None  # the signal that asked training to stop
+        self._skip_step = False  # this optimizer step saw a non-finite loss or gradient norm
+        self._nonfinite = {"skipped": 0, "in_a_row": 0, "stopped": False}
+        self.add_callback(_StepEndCallback(self))
 
     def _flag(self, name: str):
         # A plain TrainingArguments (a script that only swapped Trainer for OffloadTrainer) gets our defaults.
         return getattr(self.args, name, _own_default(name))
 
     # -------------------------------------------------------------- plan
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         self._make_plan()
+        resume_from_checkpoint = self._resolve_resume(resume_from_checkpoint)
+        self._check_disk()
         if self._swap is not None:  # a checkpoint loaded by train() must land in the host copies
             self._swap.offload_all()
             self._swap.synchronize()
         # Trainer.train() (re)enables plain checkpointing before its loop; ours goes on top at the first step.
         self._activations = None
         self._want_activations = self._resolved("activation_offload") and checkpointing_on(self.args)
-        return super().train(*args, **kwargs)
+        self._interrupted = None
+        self._nonfinite.update(in_a_row=0, stopped=False)
+        with self._signals_stop_cleanly():
+            result = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        if self._interrupted is not None:
+            ckpt = newest_complete_checkpoint(self.args.output_dir)
+            name = signal.Signals(self._interrupted).name
+            raise TrainingInterrupted(
+                f"{name}: stopped after step {self.state.global_step}; "
+                + (f"the last checkpoint is {ckpt} (continue with resume_from_checkpoint: true)" if ckpt
+                   else "no checkpoint was saved (save_on_interrupt is off and none was due)"),
+                self._interrupted, ckpt)
+        if self._nonfinite["stopped"]:
+            ckpt = newest_complete_checkpoint(self.args.output_dir)
+            raise TrainingStopped(
+                f"{self._nonfinite['in_a_row']} optimizer steps in a row had a non-finite loss or gradient norm "
+                f"(all skipped: weights and optimizer states are those of the last finite step, "
+                f"{self.state.global_step - self._nonfinite['in_a_row']}). Lower learning_rate, check the data, or "
+                f"raise max_nonfinite_steps. " + (f"Last checkpoint: {ckpt}." if ckpt else ""))
+        return result
+
+    # -------------------------------------------------------------- checkpoints
+    def _resolve_resume(self, resume):
+        """True / 'true' -> the newest complete checkpoint in output_dir; a path -> checked before anything loads."""
+        if isinstance(resume, str) and resume.strip().lower() in ("true", "latest", "false", "none", ""):
+            resume = resume.strip().lower() in ("true", "latest")
+        clean_staging(self.args.output_dir)  # what a killed save left behind
+        if resume is True:
+            found = newest_complete_checkpoint(self.args.output_dir, self.model)
+            if found is None:
+                raise CheckpointError(f"resume_from_checkpoint: true, but {self.args.output_dir!r} holds no complete "
+                                      f"checkpoint-N directory. Start without resume_from_checkpoint.")
+            logger.info("resuming from %s", found)
+            return found
+        if resume:
+            check_checkpoint(str(resume), self.model)
+            return str(resume)
+        return None
+
+    def _check_disk(self) -> None:
+        if getattr(self.args.save_strategy, "value", self.args.save_strategy) == "no" or not self.args.should_save:
+            return
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        states = 2 * trainable * (1 + 4 / 256) if self._flag("offload_optimizer") else 8 * trainable
+        # a new checkpoint is written in full before the previous one can be rotated out
+        check_disk(self.args.output_dir, int((weights + states) * 1.05) + 2**20)
+
+    def _get_output_dir(self, trial):
+        return getattr(self, "_staging_run_dir", None) or super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model, trial):
+        """The Trainer's checkpoint, written into a staging directory and renamed into place when complete."""
+        run_dir = self._get_output_dir(trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        staging = os.path.join(run_dir, STAGING_PREFIX + name)
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        self._staging_run_dir = staging
+        try:
+            super()._save_checkpoint(model, trial)
+            publish(os.path.join(staging, name), os.path.join(run_dir, name))
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            prev = newest_complete_checkpoint(run_dir)
+            raise CheckpointError(f"out of disk space while saving {name} in {run_dir!r} "
+                                  f"({shutil.disk_usage(run_dir).free / 2**30:.2f} GiB free); nothing was "
+                                  f"published. " + (f"The previous checkpoint {prev} is intact. " if prev else "")
+                                  + "Free some space and resume with resume_from_checkpoint: true.") from None
+        finally:
+            self._staging_run_dir = None
+            shutil.rmtree(staging, ignore_errors=True)
+        best = self.state.best_global_step
+        if best and os.path.isdir(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")):
+            self.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+        if self.args.should_save:  # the Trainer rotated inside the staging directory: rotate the real one
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        opt_file = os.path.join(checkpoint, "optimizer.pt") if checkpoint else None
+        if self._offload_opt is None or not opt_file or not os.path.isfile(opt_file):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        # mmap: the states go from the file's pages straight into the pinned buffers, never a second copy in RAM
+        self._offload_opt.load_state_dict(torch.load(opt_file, map_location="cpu", weights_only=True, mmap=True))
+        sched = os.path.join(checkpoint, "scheduler.pt")
+        if os.path.isfile(sched):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # torch's "please also save the optimizer" notice
+                self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+    # -------------------------------------------------------------- interrupts and non-finite steps
+    @contextlib.contextmanager
+    def _signals_stop_cleanly(self):
+        """SIGINT / SIGTERM: finish the current step, save if save_on_interrupt, then stop; twice: stop now."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, frame):
+            if self._interrupted is not None:
+                raise KeyboardInterrupt
+            self._interrupted = signum
+            logger.warning("%s received: finishing step %d, then %s (again to stop at once)",
+                           signal.Signals(signum).name, self.state.global_step + 1,
+                           "saving a checkpoint" if self._flag("save_on_interrupt") else "stopping")
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+    def _on_step_end(self, control) -> None:
+        nf = self._nonfinite
+        if self._skip_step:
+            nf["skipped"] += 1
+            nf["in_a_row"] += 1
+            logger.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row)",
+                           self.state.global_step, nf["in_a_row"])
+            limit = self._flag("max_nonfinite_steps")
+            if limit and nf["in_a_row"] >= limit:
+                nf["stopped"] = True
+                control.should_training_stop = True
+        else:
+            nf["in_a_row"] = 0
+        self._skip_step = False
+        if self._interrupted is not None:
+            control.should_training_stop = True
+            control.should_save = bool(self._flag("save_on_interrupt"))
+
+    def _nonfinite_step(self) -> None:
+        """This optimizer step is skipped: the streamed optimizer drops its gradients instead of updating."""
+        self._skip_step = True
+        if self._offload_opt is not None:
+            self._offload_opt.skip_next_step()
 
     def _make_plan(self) -> None:
         """Run the planner once (logged), and let it decide the switches left unset."""
@@ -132,11 +305,11 @@ class OffloadMixin:
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         layers = _decoder_layers(inner)
         if layers is None:
-            raise ValueError("layer_swap needs a model whose decoder layers are an nn.ModuleList (every HF causal LM)")
+            raise ConfigError("layer_swap needs a model whose decoder layers are an nn.ModuleList (every HF causal LM)")
         if mode == "auto":
             self._make_plan()
             if self._plan is None:
-                raise ValueError("layer_swap: auto asks the planner, which models full finetuning of a decoder-only "
+                raise ConfigError("layer_swap: auto asks the planner, which models full finetuning of a decoder-only "
                                  "LM with offload_optimizer; give the number of layers to keep on the GPU instead "
                                  f"(e.g. layer_swap: {len(layers) // 2})")
             resident = self._plan.resident_layers
@@ -154,7 +327,7 @@ class OffloadMixin:
                         m._buffers[name] = b.to(device)
         self._swap = LayerSwap(layers, device, resident=resident, prefetch=self._flag("layer_swap_prefetch"))
         if self._swap.trainable_swapped and not self._flag("offload_optimizer"):
-            raise ValueError("layer_swap with trainable swapped layers (full finetune) needs offload_optimizer: true: "
+            raise ConfigError("layer_swap with trainable swapped layers (full finetune) needs offload_optimizer: true: "
                              "the streamed optimizer updates each swapped layer while it is on the GPU. (With LoRA "
                              "only the frozen base weights are swapped and any optimizer works.)")
         # A map with more than one entry tells the Trainer and accelerate not to move the model as a whole.
@@ -203,7 +376,10 @@ class OffloadMixin:
     def _clip_grad_norm(self, model):
         if self._offload_opt is None:
             return super()._clip_grad_norm(model)
-        return self._offload_opt.clip_grad_norm_(self.args.max_grad_norm)
+        norm = self._offload_opt.clip_grad_norm_(self.args.max_grad_norm)
+        if self._flag("max_nonfinite_steps") and not math.isfinite(norm.item()):  # one sync per optimizer step
+            self._nonfinite_step()
+        return norm
 
     def _get_grad_norm(self, model, grad_norm=None):
         if self._offload_opt is None:
@@ -222,6 +398,18 @@ class OffloadMixin:
             return super().training_step(model, inputs, num_items_in_batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # Updates during backward cannot be undone: a non-finite loss must be caught before its backward.
+        guard = (self._offload_opt is not None and self._offload_opt.update_in_backward and not return_outputs
+                 and model.training and torch.is_grad_enabled() and self._flag("max_nonfinite_steps"))
+        if guard and self._skip_step:  # a micro-batch of this step was non-finite: the whole step is skipped
+            return torch.full((), float("nan"), device=self.args.device, requires_grad=True)
+        loss = self._compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if guard and not torch.isfinite(loss).item():
+            self._nonfinite_step()
+            return torch.full((), float("nan"), device=loss.device, requires_grad=True)  # no backward into the model
+        return loss
+
+    def _compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunk = self._flag("loss_chunk_size")
         parts = _head_and_decoder(self.accelerator.unwrap_model(model)) if chunk else None
         usable = (parts is not None and not return_outputs and "labels" in inputs and self.label_smoother is None
@@ -272,6 +460,8 @@ class OffloadMixin:
                 logs["pcie_gb_per_s"] = round((moved - self._last_bytes) / dt / 1e9, 2)
                 logs["host_pinned_gib"] = round(self._offload_opt.memory_stats()["pinned_bytes"] / 2**30, 2)
                 self._last_bytes = moved
+            if self._nonfinite["skipped"]:
+                logs["nonfinite_skipped"] = self._nonfinite["skipped"]
             logger.info("step %d | loss %.4f | %.0f tok/s | gpu peak %s GiB", self.state.global_step,
                         logs["loss"], logs["tok_per_s"], logs.get("gpu_peak_gib", "-"))
             self._tokens_since_log = 0

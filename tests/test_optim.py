@@ -183,3 +183,30 @@ def test_bf16_weights_stochastic_rounding_follows_fp32_reference():
         return float((num / sum(w.pow(2).sum() for w in want.values())).sqrt())
 
     assert err(moved[True]) < 0.6 * err(moved[False])
+
+
+@pytest.mark.parametrize("update_in_backward", [True, False])
+def test_nonfinite_gradient_leaves_its_weights_and_8bit_states_alone(update_in_backward):
+    torch.manual_seed(0)
+    model = TinyLM()
+    opt = StreamedAdamW8bit(model.parameters(), lr=LR, update_in_backward=update_in_backward, chunk_numel=4096)
+    opt.attach(model)
+    target = model.layers[0].up.weight  # 8192 values: two 4096-value chunks, both get a NaN
+
+    def step(poison):
+        if poison:
+            target.register_hook(lambda g: g.index_fill(0, torch.tensor([0, 120]), float("nan")))
+        model.loss(torch.randint(0, 128, (4, 17))).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(False)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    codes = opt._host_codes.clone()
+    off, n = opt._offset[target], target.numel()
+    step(True)
+    assert torch.equal(target, before["layers.0.up.weight"])
+    assert torch.equal(opt._host_codes[:, off:off + n], codes[:, off:off + n])
+    assert torch.isfinite(opt._host_scales).all()
+    other = model.layers[1].up.weight
+    assert not torch.equal(other, before["layers.1.up.weight"])  # the rest of the model did update

@@ -144,3 +144,46 @@ def test_layer_swap_refusals(tmp_path):
     args = make_args(tmp_path, layer_swap="2", gradient_checkpointing=True, offload_optimizer=False, optim="adamw_torch")
     with pytest.raises(ValueError, match="needs offload_optimizer"):
         OffloadTrainer(model=model, args=args, train_dataset=train)
+
+
+class Snapshot(TrainerCallback):
+    """Weights and 8-bit host states after every optimizer step."""
+
+    def __init__(self, trainer):
+        self.trainer, self.after = trainer, {}
+
+    def on_step_end(self, args, state, control, **kw):
+        opt = self.trainer._offload_opt
+        opt.synchronize()
+        self.after[state.global_step] = (
+            {n: p.detach().clone() for n, p in self.trainer.model.named_parameters()},
+            opt._host_codes.clone() if opt._allocated else None)
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
+def test_nonfinite_step_is_skipped_with_weights_and_states_unchanged(tmp_path, max_grad_norm):
+    model, _, train = tiny_setup(seq=32)
+    calls = {"n": 0}
+
+    def poison(module, args, out):  # the final norm's output of the 4th training forward becomes NaN
+        if module.training:
+            calls["n"] += 1
+            if calls["n"] == 4:
+                return out * float("nan")
+        return out
+
+    model.model.norm.register_forward_hook(poison)
+    args = make_args(tmp_path, max_steps=6, gradient_accumulation_steps=1, max_grad_norm=max_grad_norm,
+                     save_strategy="no")
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
+    snap = Snapshot(trainer)
+    trainer.add_callback(snap)
+    trainer.train()
+    w3, s3 = snap.after[3]
+    w4, s4 = snap.after[4]
+    assert all(torch.equal(w3[n], w4[n]) for n in w3)  # step 4 (the NaN one) changed nothing
+    assert torch.equal(s3, s4)
+    w5, _ = snap.after[5]
+    assert not all(torch.equal(w4[n], w5[n]) for n in w4)  # and training went on
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert trainer.state.log_history[-2]["nonfinite_skipped"] == 1

@@ -1,0 +1,155 @@
+"""Checkpoints that survive a kill: written into a staging directory, fsynced, then renamed into place.
+
+A directory named `checkpoint-N` therefore only ever exists complete. `newest_complete_checkpoint` also
+checks what it picks (files present, trainer state readable, weights' header readable, optimizer archive
+intact), so a checkpoint damaged later (a disk error, a hand copy cut short) is skipped with a warning
+instead of failing the resume; `check_checkpoint` explains what is wrong with one given explicitly,
+including a checkpoint of another model (parameter names or shapes differ).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import zipfile
+
+from .errors import CheckpointError
+
+logger = logging.getLogger("offload_trainer")
+
+STAGING_PREFIX = ".partial-"  # staging/.partial-checkpoint-N/checkpoint-N while it is written
+_CKPT = re.compile(r"^checkpoint-(\d+)$")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+                "pytorch_model.bin")
+
+
+def fsync_tree(path: str) -> None:
+    """Flush every file under `path` and the directories themselves to disk."""
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems do not sync directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish(staged: str, final: str) -> None:
+    """Atomically make the complete directory `staged` appear as `final` (replacing an older one)."""
+    fsync_tree(staged)
+    parent = os.path.dirname(final)
+    old = None
+    if os.path.exists(final):  # rename() cannot replace a non-empty directory: move the old one aside first
+        old = os.path.join(parent, STAGING_PREFIX + "old-" + os.path.basename(final))
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(staged, final)
+    fsync_dir(parent)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def clean_staging(run_dir: str) -> None:
+    """Remove what an interrupted save left behind (never a published checkpoint)."""
+    if not os.path.isdir(run_dir):
+        return
+    for name in os.listdir(run_dir):
+        if name.startswith(STAGING_PREFIX):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def check_checkpoint(path: str, model=None, *, need_optimizer: bool = True) -> None:
+    """Raise CheckpointError if `path` cannot be resumed from (incomplete, damaged, or another model's)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"checkpoint {path!r} does not exist (resume_from_checkpoint: true picks the newest "
+                              f"complete one in output_dir)")
+    state_file = os.path.join(path, "trainer_state.json")
+    try:
+        with open(state_file) as f:
+            json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path!r} is incomplete or damaged: trainer_state.json unreadable "
+                              f"({type(e).__name__}). Resume from an earlier checkpoint.") from None
+    weights = [f for f in WEIGHT_FILES if os.path.exists(os.path.join(path, f))]
+    if not weights:
+        raise CheckpointError(f"checkpoint {path!r} is incomplete: no model weights "
+                              f"({', '.join(WEIGHT_FILES)}). Resume from an earlier checkpoint.")
+    if weights[0].endswith(".safetensors"):
+        shapes = _safetensors_shapes(os.path.join(path, weights[0]), path)
+        if model is not None:
+            _check_same_model(shapes, model, path)
+    opt = os.path.join(path, "optimizer.pt")
+    if need_optimizer and os.path.exists(opt):
+        try:
+            with zipfile.ZipFile(opt) as z:  # torch.save's archive: a cut-short file has no central directory
+                z.namelist()
+        except (zipfile.BadZipFile, OSError) as e:
+            raise CheckpointError(f"checkpoint {path!r} is damaged: optimizer.pt is not a complete archive ({e}). "
+                                  f"Resume from an earlier checkpoint.") from None
+
+
+def _safetensors_shapes(file: str, path: str) -> dict[str, tuple]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {os.path.basename(file)} cannot be read "
+                              f"({str(e)[:120]}). Resume from an earlier checkpoint.") from None
+
+
+def _check_same_model(saved: dict[str, tuple], model, path: str) -> None:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") and not any(
+        "lora" in k for k in saved) else model
+    ours = {k: tuple(v.shape) for k, v in inner.state_dict().items()}
+    for k, shape in saved.items():
+        if k in ours and ours[k] != shape:
+            raise CheckpointError(f"checkpoint {path!r} is from a different model: {k} has shape {shape} there "
+                                  f"but {ours[k]} here. Use the model_config / model_name_or_path it was trained "
+                                  f"with, or start without resume_from_checkpoint.")
+    common = set(saved) & set(ours)
+    if saved and not common:
+        raise CheckpointError(f"checkpoint {path!r} is from a different model: none of its {len(saved)} tensor "
+                              f"names exist here (e.g. {next(iter(saved))!r}).")
+
+
+def newest_complete_checkpoint(run_dir: str, model=None) -> str | None:
+    """The checkpoint-N with the largest N that passes `check_checkpoint` (damaged ones are skipped, logged)."""
+    if not os.path.isdir(run_dir):
+        return None
+    found = sorted(((int(m.group(1)), name) for name in os.listdir(run_dir) if (m := _CKPT.match(name))),
+                   reverse=True)
+    for _, name in found:
+        path = os.path.join(run_dir, name)
+        try:
+            check_checkpoint(path, model)
+            return path
+        except CheckpointError as e:
+            logger.warning("skipping %s: %s", name, e)
+    return None
+
+
+def check_disk(path: str, need_bytes: int) -> None:
+    """Raise CheckpointError when the filesystem of `path` has less than `need_bytes` free."""
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "."
+    free = shutil.disk_usage(probe).free
+    if free < need_bytes:
+        raise CheckpointError(f"not enough disk for checkpoints in {path!r}: one needs about "
+                              f"{need_bytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free. Free some space, "
+                              f"point output_dir elsewhere, or set save_strategy: 'no'.")

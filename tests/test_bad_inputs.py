@@ -1,0 +1,318 @@
+"""Every row of docs/bad-inputs.md: the message names the problem and the fix, no traceback for user errors,
+nothing on disk is damaged. Rows and tests are matched by id: a row without a test (or the reverse) fails."""
+import errno
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload_trainer import cli
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md"
+BASE = """model_config: tiny-llama
+model_overrides: {{num_hidden_layers: 2}}
+torch_dtype: float32
+dataset_path: {data}
+max_seq_length: 64
+output_dir: {out}
+max_steps: 2
+per_device_train_batch_size: 2
+learning_rate: 1.0e-3
+logging_steps: 1
+save_steps: 1
+report_to: none
+seed: 0
+"""
+
+
+def doc_rows() -> dict[str, str]:
+    rows = {}
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and cells[0] not in ("id", "---"):
+            rows[cells[0]] = cells[-1]
+    return rows
+
+
+def tree_hash(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()} if path.exists() else {}
+
+
+class Case:
+    """One row: a config (BASE + body) run through `offload-trainer train`, its exit code and message."""
+
+    def __init__(self, tmp_path: Path, body: str = "", data: str = "builtin"):
+        self.tmp, self.out = tmp_path, tmp_path / "out"
+        self.config = tmp_path / "c.yaml"
+        self.config.write_text(BASE.format(data=data, out=self.out) + body)
+
+    def run(self, capsys, *argv) -> tuple[int, str]:
+        log_to_current_stderr()
+        before = tree_hash(self.out)
+        rc = cli.main(["train", str(self.config), *argv])
+        # pytest closes each test's captured stderr; a library logger that kept an earlier one reports a
+        # "--- Logging error ---" with a traceback of its own: not ours, drop those blocks
+        err = re.sub(r"--- Logging error ---.*?\nArguments: [^\n]*\n", "", capsys.readouterr().err, flags=re.S)
+        assert "Traceback" not in err, err[-4000:]
+        self.unchanged = tree_hash(self.out) == before
+        return rc, err
+
+
+def expect(case: Case, capsys, rc: int, *needles: str, argv=(), untouched=True) -> str:
+    got_rc, err = case.run(capsys, *argv)
+    assert got_rc == rc, err
+    for n in needles:
+        assert n in err, f"{n!r} not in {err!r}"
+    if untouched:
+        assert case.unchanged, "files under output_dir changed"
+    return err
+
+
+def log_to_current_stderr() -> None:
+    """Library loggers keep the stderr of the test that first configured them; point them at the current one."""
+    import logging
+    import sys
+
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    for lg in loggers:
+        for h in lg.handlers:
+            if type(h) is logging.StreamHandler:  # not pytest's own capture handlers
+                h.stream = sys.stderr  # (setStream would flush the old, closed one)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    import offload_trainer.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded before the error was reported")
+
+    monkeypatch.setattr(models, "load_model", boom)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A 2-step tiny run with checkpoint-1 and checkpoint-2 (copied by the checkpoint rows)."""
+    tmp = tmp_path_factory.mktemp("trained")
+    case = Case(tmp)
+    log_to_current_stderr()
+    assert cli.main(["train", str(case.config)]) == 0
+    return case.out
+
+
+def copy_run(trained: Path, tmp_path: Path) -> Case:
+    case = Case(tmp_path)
+    shutil.copytree(trained, case.out)
+    return case
+
+
+# ---------------------------------------------------------------------------------------------------- config
+CONFIG_ROWS = {
+    "malformed-yaml": ("max_steps: [1\n", "while parsing a flow sequence"),
+    "unknown-key": ("learning_rat: 1e-3\n", "unknown key 'learning_rat'. Did you mean 'learning_rate'?"),
+    "wrong-type": ("max_steps: ten\n", "key 'max_steps' = 'ten' (str) has the wrong type; expected int"),
+    "missing-model-path": ("model_name_or_path: ./no/such/model\nmodel_config: null\n",
+                           "directory './no/such/model' does not exist"),
+    "unknown-architecture": ("model_config: llama9\n", "'llama9' is not a known architecture. Did you mean"),
+    "missing-data": ("dataset_path: /nonexistent/data.jsonl\n", "file '/nonexistent/data.jsonl' does not exist"),
+    "optim-not-adamw": ("optim: sgd\n", "offload_optimizer=True streams 8-bit AdamW states, but optim='sgd'"),
+    "activation-offload-without-checkpointing": ("activation_offload: true\n",
+                                                 "set gradient_checkpointing: true as well"),
+    "layer-swap-without-checkpointing": ("layer_swap: auto\n", "set gradient_checkpointing: true as well"),
+    "with-fsdp": ("fsdp: full_shard\n", "cannot run under fsdp"),
+    "sequence-too-long": ("max_seq_length: 100000\n", "is longer than the tokenizer/model allows"),
+    "resume-missing-path": ("resume_from_checkpoint: /nonexistent\n", "checkpoint '/nonexistent' does not exist"),
+    "resume-nothing-to-resume": ("resume_from_checkpoint: true\n", "holds no complete checkpoint-N directory"),
+}
+
+
+@pytest.mark.parametrize("row", list(CONFIG_ROWS))
+def test_config_rows(row, tmp_path, capsys):
+    body, needle = CONFIG_ROWS[row]
+    expect(Case(tmp_path, body), capsys, 2, needle)
+
+
+def test_with_deepspeed(tmp_path, capsys, no_model_load):
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}}')
+    expect(Case(tmp_path, f"deepspeed: {tmp_path / 'ds.json'}\n"), capsys, 2, "cannot run under deepspeed",
+           "set offload_optimizer: false")
+
+
+def test_missing_config(capsys, no_model_load):
+    assert cli.main(["train", "nope.yaml"]) == 2
+    assert "config file 'nope.yaml' does not exist" in capsys.readouterr().err
+
+
+def test_bad_override(tmp_path, capsys, no_model_load):
+    expect(Case(tmp_path), capsys, 2, "override 'max_steps' is not key=value", argv=["max_steps"])
+
+
+def test_no_model(tmp_path, capsys, no_model_load):
+    case = Case(tmp_path)
+    case.config.write_text(case.config.read_text().replace("model_config: tiny-llama\n", ""))
+    expect(case, capsys, 2, "give exactly one of `model_name_or_path`")
+
+
+# ---------------------------------------------------------------------------------------------------- data
+@pytest.mark.parametrize("row, content, needle", [
+    ("empty-dataset", "", "no records (the file is empty)"),
+    ("malformed-jsonl", '{"text": "a b c"}\n{"text": oops}\n', "data.jsonl:2: not valid JSON"),
+    ("record-without-text", '{"title": "x"}\n', "record has keys ['title']; expected 'text'"),
+])
+def test_data_rows(row, content, needle, tmp_path, capsys, no_model_load):
+    data = tmp_path / "data.jsonl"
+    data.write_text(content)
+    expect(Case(tmp_path, data=str(data)), capsys, 2, needle)
+
+
+def tokenizer_without(tmp_path: Path, key: str) -> Path:
+    """A copy of the built-in tokenizer with `key` removed from its config."""
+    import json
+
+    from offload_trainer.models import builtin_asset
+
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(builtin_asset("tokenizer"), tok_dir)
+    cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    cfg.pop(key, None)
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return tok_dir
+
+
+def test_no_chat_template(tmp_path, capsys, no_model_load):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}\n')
+    tok_dir = tokenizer_without(tmp_path, "chat_template")
+    expect(Case(tmp_path, f"tokenizer_name_or_path: {tok_dir}\n", data=str(data)), capsys, 2,
+           "need a tokenizer with a chat template")
+
+
+def test_no_pad_token(tmp_path, capsys):
+    tok_dir = tokenizer_without(tmp_path, "pad_token")
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(tok_dir).pad_token is None
+    case = Case(tmp_path, f"tokenizer_name_or_path: {tok_dir}\n")
+    assert case.run(capsys)[0] == 0  # trains: EOS pads the last block
+    assert (case.out / "checkpoint-2").is_dir()
+
+
+# ---------------------------------------------------------------------------------------------------- machine
+def test_gpu_limit_without_cuda(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    expect(Case(tmp_path, "gpu_memory_limit_gb: 24\n"), capsys, 2, "caps GPU memory, but PyTorch sees no CUDA GPU")
+
+
+def test_gpu_too_small(tmp_path, capsys, no_model_load):
+    expect(Case(tmp_path, "model_config: llama3-8b\nmodel_overrides: {}\ngpu_memory_limit_gb: 4\n"
+                          "max_seq_length: 2048\n"), capsys, 2,
+           "no plan fits. GPU: needs", "use LoRA")
+
+
+def test_host_ram_too_small(tmp_path, capsys, monkeypatch, no_model_load):
+    import offload_trainer.planner as planner
+
+    monkeypatch.setattr(planner, "host_memory_gib", lambda: 16.0)
+    expect(Case(tmp_path, "model_config: llama3-8b\nmodel_overrides: {}\ngpu_memory_limit_gb: 24\n"
+                          "max_seq_length: 2048\n"
+                          "per_device_train_batch_size: 4\nmax_grad_norm: 0\n"), capsys, 2,
+           "Host RAM: the plans that fit the GPU need", "16.0 GiB available")
+
+
+def test_disk_too_small(tmp_path, capsys, monkeypatch):
+    import offload_trainer.checkpoint as ck
+
+    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    expect(Case(tmp_path), capsys, 2, "not enough disk for checkpoints", "GiB free")
+
+
+def test_out_of_disk_during_save(tmp_path, capsys, monkeypatch):
+    import transformers.trainer as hf_trainer
+
+    real_save = torch.save
+    calls = {"n": 0}
+
+    def full_disk(obj, f, *a, **k):
+        if str(f).endswith("optimizer.pt"):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the second checkpoint: the disk fills halfway through
+                Path(f).write_bytes(b"PK\x03\x04 half an archive")
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *a, **k)
+
+    monkeypatch.setattr(hf_trainer.torch, "save", full_disk)
+    case = Case(tmp_path)
+    rc, err = case.run(capsys)
+    assert rc == 2
+    assert "out of disk space while saving checkpoint-2" in err and "checkpoint-1 is intact" in err
+    assert sorted(os.listdir(case.out)) == ["checkpoint-1"]  # nothing partial left, nothing published
+    from offload_trainer.checkpoint import check_checkpoint
+
+    check_checkpoint(str(case.out / "checkpoint-1"))
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+def test_corrupted_checkpoint(trained, tmp_path, capsys):
+    case = copy_run(trained, tmp_path)
+    opt = case.out / "checkpoint-2" / "optimizer.pt"
+    opt.write_bytes(opt.read_bytes()[: opt.stat().st_size // 2])
+    expect(case, capsys, 2, "is damaged: optimizer.pt is not a complete archive",
+           argv=[f"resume_from_checkpoint={case.out / 'checkpoint-2'}", "max_steps=4"])
+
+
+def test_partial_checkpoint(trained, tmp_path, capsys):
+    case = copy_run(trained, tmp_path)
+    (case.out / "checkpoint-2" / "model.safetensors").unlink()
+    expect(case, capsys, 2, "is incomplete: no model weights",
+           argv=[f"resume_from_checkpoint={case.out / 'checkpoint-2'}", "max_steps=4"])
+
+
+def test_checkpoint_of_another_model(trained, tmp_path, capsys):
+    case = copy_run(trained, tmp_path)
+    expect(case, capsys, 2, "is from a different model:", "has shape (512, 128) there but (512, 64) here",
+           argv=[f"resume_from_checkpoint={case.out / 'checkpoint-2'}", "max_steps=4",
+                 "model_overrides={num_hidden_layers: 2, hidden_size: 64}"])
+
+
+def test_damaged_newest_checkpoint(trained, tmp_path, capsys):
+    case = copy_run(trained, tmp_path)
+    (case.out / "checkpoint-2" / "trainer_state.json").write_text("{ cut")
+    rc, err = case.run(capsys, "resume_from_checkpoint=true", "max_steps=3")
+    assert rc == 0
+    assert "skipping checkpoint-2" in err and f"resuming from {case.out / 'checkpoint-1'}" in err
+    assert (case.out / "checkpoint-3").is_dir()
+
+
+# ---------------------------------------------------------------------------------------------------- training
+def test_nonfinite_steps(tmp_path, capsys):
+    """A NaN loss at every step: each skipped, then the run stops (exit 3) with the weights untouched."""
+    from offload_trainer import trainer as trainer_mod
+
+    case = Case(tmp_path, "max_steps: 10\nmax_nonfinite_steps: 3\nsave_steps: 100\n")
+    real = trainer_mod.OffloadMixin._compute_loss
+
+    def nan_loss(self, *a, **k):
+        return real(self, *a, **k) * float("nan")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trainer_mod.OffloadMixin, "_compute_loss", nan_loss)
+        rc, err = case.run(capsys)
+    assert rc == 3
+    assert "stopped: 3 optimizer steps in a row had a non-finite loss" in err
+
+
+def test_every_row_has_a_test():
+    rows = doc_rows()
+    assert len(rows) >= 20
+    here = Path(__file__).read_text()
+    tested = set(CONFIG_ROWS) | set(re.findall(r'^    \("([a-z-]+)", ', here, re.M)) | {
+        name[len("test_"):].replace("_", "-") for name in re.findall(r"^def (test_\w+)", here, re.M)}
+    tested.add("interrupted")  # tests/test_checkpoint_kill.py::test_sigterm_saves_and_resumes
+    missing = set(rows) - tested
+    assert not missing, f"rows without a test: {sorted(missing)}"
