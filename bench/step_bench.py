@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--act-offload", action="store_true", help="offload_trainer: offload checkpointed activations")
     ap.add_argument("--resident", default=None, help="offload_trainer: decoder layers kept on the GPU (N or auto)")
     ap.add_argument("--prefetch", type=int, default=1, help="layer swap: layers fetched ahead")
+    ap.add_argument("--soak", action="store_true", help="record host RSS, pinned and GPU reserved after every step")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -182,7 +183,7 @@ def main() -> None:
             opt.zero_grad()
             return loss
 
-        times, losses = [], []
+        times, losses, series = [], [], {"rss_gib": [], "pinned_gib": [], "reserved_gib": []}
         for i in range(a.warmup + a.steps):
             torch.cuda.synchronize()
             t = time.perf_counter()
@@ -190,7 +191,20 @@ def main() -> None:
             torch.cuda.synchronize()
             times.append(time.perf_counter() - t)
             losses.append(round(loss.item(), 4))
-            print(f"{a.system} {a.model} step {i}: {times[-1]:.3f} s loss {losses[-1]}", flush=True)
+            if a.soak:
+                from offload_trainer.sysinfo import rss_gib
+
+                pinned = sum(o.memory_stats()["pinned_bytes"] for o in (opt, swap) if o is not None and
+                             hasattr(o, "memory_stats")) + (offloader.pinned_bytes() if offloader else 0)
+                series["rss_gib"].append(round(rss_gib(), 3))
+                series["pinned_gib"].append(round(pinned / 2**30, 3))
+                series["reserved_gib"].append(round(torch.cuda.memory_reserved() / 2**30, 3))
+            if not a.soak or i % 25 == 0:
+                print(f"{a.system} {a.model} step {i}: {times[-1]:.3f} s loss {losses[-1]}", flush=True)
+        if a.soak:  # flat after warm-up: spread of each series over steps 20.. as a fraction of its minimum
+            row["extra"]["soak_series"] = series
+            row["extra"]["soak_spread_after_step_20"] = {
+                k: round((max(v[20:]) - min(v[20:])) / max(min(v[20:]), 1e-9), 4) for k, v in series.items()}
         timed = times[a.warmup:]
         med = statistics.median(timed)
         row.update(tok_per_s=round(a.bs * a.seq / med, 1), step_s_median=round(med, 4))

@@ -99,5 +99,43 @@ def load_model(model_args, *, gradient_checkpointing: bool = False):
     return model
 
 
+def random_init_4bit(cfg, device: str = "cuda"):
+    """A random-init causal LM whose decoder linears are bitsandbytes NF4 (`Linear4bit`), built one layer at
+    a time on `device` from the meta device: a 70B shape needs one layer in bf16 at a time, never 140 GB.
+    For benchmarks and tests of QLoRA on big shapes (`peft.get_peft_model` then picks its 4-bit LoRA layers)."""
+    import bitsandbytes as bnb
+    from torch import nn
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    for mod in (model.model.embed_tokens, model.model.norm, model.lm_head):
+        mod.to_empty(device=device)
+    nn.init.normal_(model.model.embed_tokens.weight, std=0.02)
+    nn.init.normal_(model.lm_head.weight, std=0.02)
+    nn.init.ones_(model.model.norm.weight)
+    with torch.device(device):  # inv_freq is computed, not loaded: build it anew off the meta device
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
+    for layer in model.model.layers:
+        layer.to_empty(device=device)
+        for m in layer.modules():
+            if "RMSNorm" in type(m).__name__:
+                nn.init.ones_(m.weight)
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear:
+                    continue
+                w = torch.randn(child.out_features, child.in_features, device=device, dtype=torch.bfloat16) * 0.02
+                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False,
+                                      compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+                q.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", module=q)
+                setattr(parent, name, q.to(device))  # quantizes on the GPU
+                del w
+    model.is_loaded_in_4bit = True  # peft picks its bitsandbytes LoRA layers from this flag
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
 def count_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())

@@ -135,12 +135,12 @@ class LayerSwap:
             for _ in range(min(prefetch + 2, sum(1 for lay in self._layers.values() if lay.signature == sig))):
                 pool.append(_Slot([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in sig]))
         self._pools = pools
+        self._last: int | None = None  # the layer whose hook ran last
         for i, layer in enumerate(layers):
-            if i in swapped:
-                self._handles.append(layer.register_forward_pre_hook(self._make_pre_hook(self._layers[i]),
-                                                                     prepend=True))
-            else:
-                self._handles.append(layer.register_forward_pre_hook(self._make_resident_hook(i), prepend=True))
+            # NOTE: the layer's own hook and its children's: transformers >= 5.2x checkpoints `forward`, not
+            # `__call__`, so the recompute in backward runs the children's hooks but not the layer's.
+            for m in (layer, *layer.children()):
+                self._handles.append(m.register_forward_pre_hook(self._make_hook(i), prepend=True))
 
     @property
     def trainable_swapped(self) -> bool:
@@ -191,16 +191,21 @@ class LayerSwap:
         self._handles = []
 
     # ------------------------------------------------------------------ hooks
-    def _make_pre_hook(self, lay: _Layer):
+    def _make_hook(self, i: int):
         def hook(module, args):
-            self._ensure(lay)
+            self._on_layer(i)
         return hook
 
-    def _make_resident_hook(self, i: int):
-        def hook(module, args):
+    def _on_layer(self, i: int) -> None:
+        lay = self._layers.get(i)
+        if i == self._last and (lay is None or lay.slot is not None):
+            return  # another child of the layer that is running
+        self._last = i
+        if lay is None:
             self._set_current(None)
             self._prefetch_from(i)
-        return hook
+        else:
+            self._ensure(lay)
 
     def _set_current(self, lay: _Layer | None) -> None:
         prev = self._current
