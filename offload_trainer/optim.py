@@ -45,25 +45,28 @@ def adamw8bit_chunk(p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap
     compiled call over plain tensors skips the tensor-subclass dispatch, which cost ~1 ms of CPU per call
     and starved the GPU of backward kernels when called from gradient hooks.
 
-    A chunk whose gradient holds a NaN or an infinity is left as it was (weights and 8-bit states): decided
-    on the GPU, so updates queued during backward never wait for the CPU to look.
+    A 256-value block whose gradient holds a NaN or an infinity is left as it was (its weights, codes and
+    scales): its new block scales come out non-finite, which is all the check reads (no extra pass over the
+    gradient), and it is decided on the GPU, so updates queued during backward never wait for the CPU.
     """
     block = codes.shape[1] // scales.shape[1]
     p_f32 = p.float()
     grad_f32 = grad.float()
-    ok = torch.isfinite(grad_f32).all()
     p_f32 = p_f32 - lr * weight_decay * p_f32
     bias_correction1 = 1 - beta1**step
     bias_correction2 = 1 - beta2**step
     exp_avg_f32 = dequant_with_qmap(codes[0], qmap_signed, scales[0]).lerp(grad_f32, 1 - beta1)
     exp_avg_sq_f32 = dequant_with_qmap(codes[1], qmap_unsigned, scales[1]).lerp(grad_f32.square(), 1 - beta2)
-    for k, (x, qmap) in enumerate(((exp_avg_f32, qmap_signed), (exp_avg_sq_f32, qmap_unsigned))):
-        scaled, scale = scale_tensor(x, block)  # as OptimState8bit.copy_(float tensor)
-        codes[k].copy_(torch.where(ok, quantize_8bit_with_qmap(scaled, qmap), codes[k]))
+    quantized = [scale_tensor(x, block) for x in (exp_avg_f32, exp_avg_sq_f32)]  # as OptimState8bit.copy_
+    ok = torch.isfinite(quantized[0][1]) & torch.isfinite(quantized[1][1])  # per block
+    for k, ((scaled, scale), qmap) in enumerate(zip(quantized, (qmap_signed, qmap_unsigned))):
+        codes[k].copy_(torch.where(ok.view(-1, 1), quantize_8bit_with_qmap(scaled, qmap).view(-1, block),
+                                   codes[k].view(-1, block)).view(-1))
         scales[k].copy_(torch.where(ok, scale, scales[k]))
     denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
     p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
-    p.copy_(torch.where(ok, _fp32_to_bf16_sr(p_f32) if bf16_stochastic_round else p_f32.to(p.dtype), p))
+    new_p = _fp32_to_bf16_sr(p_f32) if bf16_stochastic_round else p_f32.to(p.dtype)
+    p.copy_(torch.where(ok.view(-1, 1), new_p.view(-1, block), p.view(-1, block)).view(p.shape))
 
 
 def _always_resident(p: Tensor, stream):
