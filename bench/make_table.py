@@ -32,7 +32,7 @@ def planner_table(rows) -> None:
 def main(paths: list[str]) -> None:
     rows = [r for p in paths for r in json.load(open(p))]
     native = {(r["run_id"], r["model"], r["seq_len"], r["tokens_per_step"]): r["tok_per_s"]
-              for r in rows if r["system"] in ("native", "native_8bit") and r["tok_per_s"]}
+              for r in rows if r["system"] in ("native", "native_8bit", "qlora_native") and r["tok_per_s"]}
     print("| run | commit | model | system | GPU cap | batch x seq | tok/s | vs native | step s | "
           "peak reserved GiB | host peak GiB | pinned GiB | GPU idle ms (profiled step) | note |")
     print("|" + " --- |" * 14)

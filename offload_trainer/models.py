@@ -74,7 +74,9 @@ def load_model(model_args, *, gradient_checkpointing: bool = False):
     from transformers import AutoModelForCausalLM
 
     dtype = DTYPES[model_args.torch_dtype]
-    if model_args.model_name_or_path:
+    if getattr(model_args, "load_in_4bit", False):
+        model = _load_4bit(model_args, dtype)
+    elif model_args.model_name_or_path:
         kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=model_args.attn_implementation)
         path = model_args.model_name_or_path
         gguf = [f for f in os.listdir(path) if f.endswith(".gguf")] if os.path.isdir(path) else []
@@ -99,10 +101,11 @@ def load_model(model_args, *, gradient_checkpointing: bool = False):
     return model
 
 
-def random_init_4bit(cfg, device: str = "cuda"):
+def random_init_4bit(cfg, device: str = "cuda", park: str | None = None):
     """A random-init causal LM whose decoder linears are bitsandbytes NF4 (`Linear4bit`), built one layer at
     a time on `device` from the meta device: a 70B shape needs one layer in bf16 at a time, never 140 GB.
-    For benchmarks and tests of QLoRA on big shapes (`peft.get_peft_model` then picks its 4-bit LoRA layers)."""
+    For benchmarks and tests of QLoRA on big shapes (`peft.get_peft_model` then picks its 4-bit LoRA layers).
+    `park`: where each quantized layer goes once built (e.g. "cpu", for a base bigger than the GPU)."""
     import bitsandbytes as bnb
     from torch import nn
     from transformers import AutoModelForCausalLM
@@ -131,10 +134,32 @@ def random_init_4bit(cfg, device: str = "cuda"):
                 q.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", module=q)
                 setattr(parent, name, q.to(device))  # quantizes on the GPU
                 del w
+        if park is not None and park != device:
+            layer.to(park)
     model.is_loaded_in_4bit = True  # peft picks its bitsandbytes LoRA layers from this flag
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def _load_4bit(model_args, dtype):
+    """The base model with bitsandbytes NF4 linears (QLoRA): random init layer by layer, or from_pretrained."""
+    import torch
+
+    if model_args.model_name_or_path is None:
+        config = architecture_config(model_args.model_config, model_args.model_overrides)
+        config._attn_implementation = model_args.attn_implementation
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return random_init_4bit(config, device, park="cpu")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
+                               bnb_4bit_use_double_quant=True)
+    # NOTE: quantized onto the GPU as it loads; a base bigger than the card needs loading straight into pinned
+    # memory layer by layer, which is not built yet.
+    return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, quantization_config=quant, dtype=dtype,
+                                                attn_implementation=model_args.attn_implementation,
+                                                device_map={"": 0 if torch.cuda.is_available() else "cpu"})
 
 
 def count_params(model: torch.nn.Module) -> int:

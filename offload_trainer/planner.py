@@ -34,6 +34,8 @@ class Machine:
     cpu_s_per_chunk: float = 3.5e-4  # Python + launch cost of one streamed chunk update
     cuda_context_gib: float = 0.7  # taken from the card outside PyTorch's allocator
     backward_inflation: float = 1.08  # update kernels running beside backward slow it (8B: 1077 vs 980 ms)
+    nf4_slowdown: float = 1.40  # bitsandbytes NF4 matmuls dequantize every weight each use (70B QLoRA: 2.38 s
+    #                             measured vs 1.70 s at the bf16 rate)
 
 
 @dataclass
@@ -66,6 +68,18 @@ class ModelShape:
         attn = h * (h + 2 * kv) + h * h + ((h + 2 * kv) if self.qkv_bias else 0)
         return attn + 3 * h * self.intermediate + 2 * h
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) of each linear layer of a decoder layer, by its usual HF name."""
+        h, kv, inter = self.hidden, self.kv_dim, self.intermediate
+        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
+                "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+
+    def lora_params(self, r: int, targets: str = "all-linear") -> int:
+        """Trainable parameters of LoRA rank `r` on `targets` ('all-linear' or comma-separated names)."""
+        shapes = self.linear_shapes()
+        names = list(shapes) if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+        return self.layers * sum(r * (shapes[n][0] + shapes[n][1]) for n in names if n in shapes)
+
     @property
     def params(self) -> int:
         return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
@@ -80,6 +94,7 @@ class Plan:
     seq: int
     clip: bool
     offload_gradients: bool
+    lora_params: int
     activation_offload: bool
     gpu_budget_gib: float | None
     host_budget_gib: float | None
@@ -103,10 +118,18 @@ class Plan:
         rows = [
             ("parameters", f"{self.params / 1e9:.2f} B" if self.params >= 1e9 else f"{self.params / 1e6:.1f} M"),
             ("micro-batch", f"{self.batch} x {self.seq} tokens"),
-            ("optimizer", "8-bit AdamW states in pinned CPU memory, streamed"),
-            ("updates", "after backward, exact clipping" if self.clip else "during backward (no clipping)"),
-            ("gradients", "pinned CPU memory until the norm is known" if self.offload_gradients
-             else ("freed as used" if not self.clip else "on the GPU until the norm is known")),
+        ]
+        if self.lora_params:
+            rows += [("training", f"LoRA: {self.lora_params / 1e6:.1f} M adapter parameters, their gradients and "
+                                  f"AdamW states on the GPU; base weights frozen")]
+        else:
+            rows += [
+                ("optimizer", "8-bit AdamW states in pinned CPU memory, streamed"),
+                ("updates", "after backward, exact clipping" if self.clip else "during backward (no clipping)"),
+                ("gradients", "pinned CPU memory until the norm is known" if self.offload_gradients
+                 else ("freed as used" if not self.clip else "on the GPU until the norm is known")),
+            ]
+        rows += [
             ("activations", "layer inputs in pinned CPU memory" if self.activation_offload else "on the GPU"),
             ("decoder layers", f"all {self.layers} on the GPU" if self.resident_layers == self.layers else
              f"{self.resident_layers} of {self.layers} on the GPU, {self.layers - self.resident_layers} swapped "
@@ -128,53 +151,65 @@ class Plan:
 
 def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool, offload_gradients: bool,
               activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
-              resident: int | None = None, swap_slots: int = 3, block: int = 256) -> dict:
+              resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
+              block: int = 256) -> dict:
     h, inter, L, V = shape.hidden, shape.intermediate, shape.layers, shape.vocab
     T = batch * seq
     swapped = L - (L if resident is None else resident)
-    layer_bytes = 2 * shape.layer_params
+    if weight_bits == 4:  # NF4 linears: half a byte per value + absmax (1 byte per 64, double-quantized); bf16 norms
+        layer_bytes = (shape.layer_params - 2 * h) * (0.5 + 1 / 64) + 2 * h * 2
+    else:
+        layer_bytes = 2 * shape.layer_params
     swap_gpu = min(swap_slots, swapped) * layer_bytes  # reused GPU slots of the swapped layers
-    weights = 2 * params - swapped * layer_bytes
+    weights = 2 * (params - L * shape.layer_params) + (L - swapped) * layer_bytes
     largest = V * h
     chunk = min(chunk_numel, largest)
-    slots = inflight * chunk * (2 + 8 / block + (2 if offload_gradients else 0))
-    update_temps = 2 * 4 * chunk  # the fused update materialises both fp32 moments of one chunk
+    slots = inflight * chunk * (2 + 8 / block + (2 if offload_gradients else 0)) if not lora else 0
+    update_temps = 2 * 4 * chunk if not lora else 0  # the fused update materialises both fp32 moments of a chunk
+    adapters = 16 * lora  # LoRA: fp32 weights, gradients and two AdamW moments, all on the GPU
     ckpt_per_layer = T * h * 2
     checkpoints = (2 if activation_offload else L) * ckpt_per_layer  # offloaded: the one in use + one prefetched
     loss = (loss_chunk if loss_chunk else T) * V * 10 + 2 * T * h * 2  # fp32 logits + grad, bf16 logits; hidden
-    head_grad = 2 * largest
+    head_grad = 2 * largest if not lora else 0
     layer_ws = 10 * T * h * 2 + 6 * T * inter * 2  # one layer's recompute activations and their grads
-    layer_grads = 2 * shape.layer_params
-    grads_kept = 2 * params if clip and not offload_gradients else 0
+    if weight_bits == 4:
+        layer_ws += 2 * h * inter  # the largest weight, dequantized for its matmul
+    layer_grads = 2 * shape.layer_params if not lora else 0
+    grads_kept = 2 * params if clip and not offload_gradients and not lora else 0
     if grads_kept:
         # gradients pile up while checkpoints are freed: the peak is at the start or at the end of backward
         phase = max(checkpoints + loss + head_grad, grads_kept + layer_ws)
     else:  # updates lag backward by about a layer
         phase = checkpoints + max(loss + head_grad, layer_ws + 2 * layer_grads)
-    allocated = weights + swap_gpu + slots + update_temps + phase
+    allocated = weights + swap_gpu + slots + update_temps + adapters + phase
     slack = 9 * T * inter * 2  # allocator blocks freed between layers but not reused across sizes
     reserved = allocated + slack
 
-    states = 2 * params * (1 + 4 / block)
-    host_grads = 2 * params if offload_gradients else 0
+    states = 2 * params * (1 + 4 / block) if not lora else 0
+    host_grads = 2 * params if offload_gradients and not lora else 0
     host_acts = L * ckpt_per_layer if activation_offload else 0
     pinned = states + host_grads + host_acts + swapped * layer_bytes
     host = 1.5 * GiB + pinned
 
     # a swapped layer is fetched twice per step (forward, recompute + backward) and, changed, copied back once
     # (with clipping, once more for the update after backward)
-    swap_h2d, swap_d2h = (3 if clip else 2) * swapped * layer_bytes, swapped * layer_bytes
+    # (LoRA: frozen layers are never copied back)
+    swap_h2d = (3 if clip and not lora else 2) * swapped * layer_bytes
+    swap_d2h = swapped * layer_bytes if not lora else 0
     pcie = 2 * states + 2 * host_grads + 2 * host_acts + swap_h2d + swap_d2h
-    flops = 8 * params * T + 8 * L * T * seq * h  # weights (fwd + recompute + bwd) + causal attention
-    t_compute = flops / machine.train_flops
-    t_native = t_compute + 16 * params / 4.0e12  # native AdamW reads/writes ~16 bytes/param at ~4 TB/s
+    # weights: forward + recompute + backward (input and weight gradients; LoRA: input gradients only)
+    flops = (6 if lora else 8) * params * T + 8 * L * T * seq * h  # + causal attention
+    t_compute = flops / machine.train_flops * (machine.nf4_slowdown if weight_bits == 4 else 1.0)
+    t_native = t_compute + (16 * params / 4.0e12 if not lora else 0.0)  # AdamW: ~16 B/param at ~4 TB/s
     kv = shape.kv_dim
     per_layer = [h * h, h * kv, h * kv, h * h] + [h * inter] * 3
     n_chunks = L * (2 + sum(math.ceil(x / chunk) for x in per_layer)) + 2 * math.ceil(largest / chunk)
     # Launching chunk updates from Python competes with launching the step's own kernels; measured: hidden
     # on 8B at 8k tokens (1 s steps), not on 3B at 4k (0.25 s steps).
-    t_cpu = n_chunks * machine.cpu_s_per_chunk * max(0.0, 1 - t_compute / 1.1)
-    if clip:
+    t_cpu = n_chunks * machine.cpu_s_per_chunk * max(0.0, 1 - t_compute / 1.1) if not lora else 0.0
+    if lora:
+        step = t_compute
+    elif clip:
         # the update waits for the global norm: after backward, states (and host gradients) cross PCIe;
         # only the next forward (~1/4 of the step) overlaps them
         post = (states + host_grads) / (machine.h2d_gb_s * 1e9)
@@ -188,7 +223,9 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
         step = max(step, h2d_s, (states + host_grads + host_acts + swap_d2h) / (machine.d2h_gb_s * 1e9))
     return dict(reserved=reserved, allocated=allocated, host=host, pinned=pinned, pcie=pcie, step=step,
                 native=t_native,
-                breakdown={"weights": weights / GiB, "swap slots": swap_gpu / GiB, "optimizer slots": (slots + update_temps) / GiB,
+                breakdown={"weights": weights / GiB, "swap slots": swap_gpu / GiB,
+                           **({"LoRA adapters + AdamW": adapters / GiB} if lora else {}),
+                           "optimizer slots": (slots + update_temps) / GiB,
                            "gradients kept": grads_kept / GiB, "checkpointed activations": checkpoints / GiB,
                            "largest transient": (phase - checkpoints - grads_kept) / GiB if not grads_kept
                            else (phase - grads_kept) / GiB, "allocator slack": slack / GiB})
@@ -198,11 +235,12 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
          host_memory_gb: float | None = None, max_grad_norm: float = 1.0, loss_chunk: int = 1024,
          chunk_numel: int = 2**25, inflight: int = 4, activation_offload: bool | None = None,
          offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
-         machine: Machine = Machine()) -> Plan:
+         lora_params: int = 0, weight_bits: int = 16, machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
 
     `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
-    an int keeps that many resident.
+    an int keeps that many resident. `lora_params` > 0: LoRA with that many adapter parameters on a frozen base
+    of `weight_bits` (16, or 4 for bitsandbytes NF4); the adapters and their optimizer stay on the GPU.
 
     Raises PlanError, naming the knob to change, when none fits.
     """
@@ -211,11 +249,12 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     L = shape.layers
     clip = bool(max_grad_norm and max_grad_norm > 0)
     acts = [False, True] if activation_offload is None else [activation_offload]
-    grads = ([False, True] if offload_gradients is None else [offload_gradients]) if clip else [False]
+    grads = ([False, True] if offload_gradients is None else [offload_gradients]) if clip and not lora_params \
+        else [False]
     gpu_usable = (gpu_memory_limit_gb - machine.cuda_context_gib) * GiB if gpu_memory_limit_gb else math.inf
     host_usable = host_memory_gb * GiB if host_memory_gb else math.inf
     estimate = functools.partial(_estimate, shape, n, clip=clip, loss_chunk=loss_chunk, chunk_numel=chunk_numel,
-                                 inflight=inflight, machine=machine)
+                                 inflight=inflight, machine=machine, lora=lora_params, weight_bits=weight_bits)
     tried = []
     # Every layer resident first (no swap traffic); then as many resident layers as fit.
     if layer_swap is False:
@@ -228,7 +267,8 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
         for act in acts:
             for og in grads:
                 e = estimate(batch=batch, seq=seq, offload_gradients=og, activation_offload=act, resident=resident)
-                p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, activation_offload=act,
+                p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, lora_params=lora_params,
+                         activation_offload=act,
                          gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
                          resident_layers=resident, layers=L,
                          gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB,
@@ -288,14 +328,21 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
                     f"(RSS + pinned), {host_gb:.1f} GiB available: "
                     + ("max_grad_norm: 0 updates during backward and needs no host gradient buffer "
                        f"({2 * n / GiB:.1f} GiB less); " if lean.offload_gradients else "")
-                    + "or add RAM, or use LoRA.")
+                    + ("or add RAM." if lean.lora_params else "or add RAM, or use LoRA."))
     return "no plan fits. " + " ".join(msgs)
 
 
-def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_gb: float | None = None) -> Plan:
+def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_gb: float | None = None,
+                   model_args=None, lora_params: int | None = None, weight_bits: int | None = None) -> Plan:
     """The planner for a TrainingArguments-like object and a model config (raises PlanError).
-    `gpu_gb`: the GPU budget when `gpu_memory_limit_gb` is unset (e.g. the card's free memory)."""
+    `gpu_gb`: the GPU budget when `gpu_memory_limit_gb` is unset (e.g. the card's free memory).
+    `model_args`: its `lora_r`, `lora_target_modules` and `load_in_4bit` select LoRA / QLoRA."""
     gpu = getattr(args, "gpu_memory_limit_gb", None) or gpu_gb
+    r = getattr(model_args, "lora_r", 0) or 0
+    lora = ModelShape.from_config(config).lora_params(r, getattr(model_args, "lora_target_modules", "all-linear")) \
+        if r else 0
+    lora = lora if lora_params is None else lora_params
+    bits = (4 if getattr(model_args, "load_in_4bit", False) else 16) if weight_bits is None else weight_bits
     return plan(config, batch=args.per_device_train_batch_size, seq=seq, gpu_memory_limit_gb=gpu,
                 host_memory_gb=host_gb, max_grad_norm=args.max_grad_norm or 0.0,
                 loss_chunk=getattr(args, "loss_chunk_size", 1024),
@@ -305,7 +352,7 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
                 bool(getattr(args, "activation_offload", False)),
                 offload_gradients=getattr(args, "offload_gradients", None) if gpu else
                 bool(getattr(args, "offload_gradients", False)),
-                layer_swap=layer_swap_setting(getattr(args, "layer_swap", "off")))
+                layer_swap=layer_swap_setting(getattr(args, "layer_swap", "off")), lora_params=lora, weight_bits=bits)
 
 
 def layer_swap_setting(value) -> bool | int | None:

@@ -268,10 +268,11 @@ class OffloadMixin:
 
     def _make_plan(self) -> None:
         """Run the planner once (logged), and let it decide the switches left unset."""
-        if self._plan is not None or not self._flag("offload_optimizer"):
+        peft = hasattr(self.model, "get_base_model")
+        if self._plan is not None or not (self._flag("offload_optimizer") or peft):
             return
-        if hasattr(self.model, "get_base_model"):  # peft: the planner models full finetuning only
-            return
+        lora = sum(p.numel() for p in self.model.parameters() if p.requires_grad) if peft else 0
+        bits = 4 if getattr(self.model.get_base_model() if peft else self.model, "is_loaded_in_4bit", False) else 16
         config = getattr(self.model, "config", None)
         sample = self.train_dataset[0] if self.train_dataset is not None and len(self.train_dataset) else None
         if config is None or not isinstance(sample, dict) or "input_ids" not in sample:
@@ -280,7 +281,8 @@ class OffloadMixin:
         if not gpu_gb and self._flag("layer_swap") == "auto" and torch.cuda.is_available():
             gpu_gb = torch.cuda.mem_get_info()[0] / 2**30  # no cap given: what the card has free
         try:
-            self._plan = plan_from_args(self.args, config, len(sample["input_ids"]), gpu_gb=gpu_gb)
+            self._plan = plan_from_args(self.args, config, len(sample["input_ids"]), gpu_gb=gpu_gb, lora_params=lora,
+                                        weight_bits=bits)
         except (AttributeError, TypeError):  # not a decoder-only LM config the planner knows
             return
         except PlanError:
@@ -309,9 +311,9 @@ class OffloadMixin:
         if mode == "auto":
             self._make_plan()
             if self._plan is None:
-                raise ConfigError("layer_swap: auto asks the planner, which models full finetuning of a decoder-only "
-                                 "LM with offload_optimizer; give the number of layers to keep on the GPU instead "
-                                 f"(e.g. layer_swap: {len(layers) // 2})")
+                raise ConfigError("layer_swap: auto asks the planner, which models decoder-only LMs trained on "
+                                  "tokenized sequences; give the number of layers to keep on the GPU instead "
+                                  f"(e.g. layer_swap: {len(layers) // 2})")
             resident = self._plan.resident_layers
         else:
             resident = min(int(mode), len(layers))

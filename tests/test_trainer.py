@@ -1,5 +1,6 @@
 """OffloadTrainer as a drop-in Trainer: same script, streamed optimizer, exact resume."""
 import json
+import math
 
 import pytest
 import torch
@@ -141,7 +142,8 @@ def test_layer_swap_refusals(tmp_path):
     with pytest.raises(ValueError, match="layer_swap='most'"):
         make_args(tmp_path, layer_swap="most", gradient_checkpointing=True)
     model, _, train = tiny_setup(layers=4)
-    args = make_args(tmp_path, layer_swap="2", gradient_checkpointing=True, offload_optimizer=False, optim="adamw_torch")
+    args = make_args(tmp_path, layer_swap="2", gradient_checkpointing=True, offload_optimizer=False,
+                     optim="adamw_torch")
     with pytest.raises(ValueError, match="needs offload_optimizer"):
         OffloadTrainer(model=model, args=args, train_dataset=train)
 
@@ -187,3 +189,21 @@ def test_nonfinite_step_is_skipped_with_weights_and_states_unchanged(tmp_path, m
     assert not all(torch.equal(w4[n], w5[n]) for n in w4)  # and training went on
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     assert trainer.state.log_history[-2]["nonfinite_skipped"] == 1
+
+
+def test_qlora_4bit_with_layer_swap_through_the_cli(tmp_path, capsys):
+    """load_in_4bit + LoRA + layer swap end to end on the CPU (bitsandbytes' CPU kernels): trains and saves."""
+    pytest.importorskip("bitsandbytes")
+    from offload_trainer import cli
+
+    rc = cli.main(["train", "configs/tiny-cpu.yaml", "lora_r=8", "lora_alpha=16", "load_in_4bit=true",
+                   "layer_swap=2", "gradient_checkpointing=true", "max_steps=3", "logging_steps=1", "save_steps=3",
+                   "eval_fraction=0", "per_device_train_batch_size=2", "max_seq_length=64",
+                   "model_overrides={num_hidden_layers: 4}", f"output_dir={tmp_path}"])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-2000:]
+    assert "layer swap: 2 of 4 decoder layers" in err
+    state = json.loads((tmp_path / "checkpoint-3" / "trainer_state.json").read_text())
+    losses = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert (tmp_path / "adapter_model.safetensors").exists()
