@@ -12,18 +12,14 @@ torch AdamW (fused) on the adapters, non-reentrant checkpointing, chunked loss. 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import gpu_idle_ms  # noqa: E402
-
-from offload_trainer.sysinfo import peak_rss_gib  # noqa: E402
+from step_bench import finish_row, gpu_idle_ms, swap_extra, timed  # noqa: E402
 
 
 def main() -> None:
@@ -91,12 +87,9 @@ def main() -> None:
 
         times, losses = [], []
         for i in range(a.warmup + a.steps):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            loss = step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-            losses.append(round(loss.item(), 4))
+            seconds, loss = timed(step)
+            times.append(seconds)
+            losses.append(loss)
             print(f"{system} {a.model} step {i}: {times[-1]:.3f} s loss {losses[-1]}", flush=True)
         med = statistics.median(times[a.warmup:])
         row.update(tok_per_s=round(a.bs * a.seq / med, 1), step_s_median=round(med, 4))
@@ -105,21 +98,11 @@ def main() -> None:
             before, stall0 = dict(swap.stats), swap.stall.total_ms()
             row["extra"].update(gpu_idle_ms(step))
             torch.cuda.synchronize()
-            moved = {k: swap.stats[k] - before[k] for k in swap.stats}
-            row["extra"].update(swap_h2d_gb_per_step=round(moved["h2d_bytes"] / 1e9, 2),
-                                swap_d2h_gb_per_step=round(moved["d2h_bytes"] / 1e9, 2),
-                                swap_loads_per_step=moved["loads"],
-                                layer_stall_ms=round(swap.stall.total_ms() - stall0, 1))
+            row["extra"].update(swap_extra(swap, before, stall0))
             row["pinned_gib"] = round(swap.memory_stats()["pinned_bytes"] / 2**30, 2)
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
-    row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-    row["host_peak_gib"] = round(peak_rss_gib() or float("nan"), 2)
-    print("ROW " + json.dumps(row), flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    finish_row(row, a.out)
 
 
 if __name__ == "__main__":

@@ -185,12 +185,9 @@ def main() -> None:
 
         times, losses, series = [], [], {"rss_gib": [], "pinned_gib": [], "reserved_gib": []}
         for i in range(a.warmup + a.steps):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            loss = step()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-            losses.append(round(loss.item(), 4))
+            seconds, loss = timed(step)
+            times.append(seconds)
+            losses.append(loss)
             if a.soak:
                 from offload_trainer.sysinfo import rss_gib
 
@@ -230,20 +227,39 @@ def main() -> None:
             # GPU stall of the profiled step: the compute stream waiting for an update / a layer's weights
             row["extra"]["update_stall_ms"] = round(opt.stall.total_ms() - update_stall_before, 1)
             if swap is not None:
-                sw = {k: swap.stats[k] - swap_before[k] for k in swap.stats}
-                row["extra"].update(swap_h2d_gb_per_step=round(sw["h2d_bytes"] / 1e9, 2),
-                                    swap_d2h_gb_per_step=round(sw["d2h_bytes"] / 1e9, 2),
-                                    swap_loads_per_step=sw["loads"], swap_reloads_for_update=sw["reloads_for_update"],
-                                    layer_stall_ms=round(swap.stall.total_ms() - layer_stall_before, 1),
-                                    swap_gpu_slot_gib=round(swap.memory_stats()["gpu_slot_bytes"] / 2**30, 2))
+                row["extra"].update(swap_extra(swap, swap_before, layer_stall_before))
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
+    finish_row(row, a.out)
+
+
+def timed(step) -> tuple[float, float]:
+    """Seconds of one synchronized step, and its loss."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    loss = step()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, round(loss.item(), 4)
+
+
+def swap_extra(swap, before: dict, stall_before: float) -> dict:
+    """What the layer swap did since `before` (its stats then) and `stall_before` (its stall ms then)."""
+    moved = {k: swap.stats[k] - before[k] for k in swap.stats}
+    return dict(swap_h2d_gb_per_step=round(moved["h2d_bytes"] / 1e9, 2),
+                swap_d2h_gb_per_step=round(moved["d2h_bytes"] / 1e9, 2),
+                swap_loads_per_step=moved["loads"], swap_reloads_for_update=moved["reloads_for_update"],
+                layer_stall_ms=round(swap.stall.total_ms() - stall_before, 1),
+                swap_gpu_slot_gib=round(swap.memory_stats()["gpu_slot_bytes"] / 2**30, 2))
+
+
+def finish_row(row: dict, out: str | None) -> None:
+    """Peak memory figures, then print the row and append it to `out`."""
     row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
     row["host_peak_gib"] = round(peak_rss_gib() or float("nan"), 2)
     print("ROW " + json.dumps(row), flush=True)
-    if a.out:
-        with open(a.out, "a") as f:
+    if out:
+        with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
 
 
