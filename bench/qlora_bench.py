@@ -15,6 +15,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 
 import torch
 
