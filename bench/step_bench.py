@@ -202,11 +202,11 @@ def main() -> None:
             row["extra"]["soak_series"] = series
             row["extra"]["soak_spread_after_step_20"] = {
                 k: round((max(v[20:]) - min(v[20:])) / max(min(v[20:]), 1e-9), 4) for k, v in series.items()}
-        timed = times[a.warmup:]
-        med = statistics.median(timed)
+        measured = times[a.warmup:]
+        med = statistics.median(measured)
         row.update(tok_per_s=round(a.bs * a.seq / med, 1), step_s_median=round(med, 4))
         row["extra"].update(step_s=[round(t, 4) for t in times], losses=losses, first_step_s=round(times[0], 2),
-                            tok_per_s_best=round(a.bs * a.seq / min(timed), 1))
+                            tok_per_s_best=round(a.bs * a.seq / min(measured), 1))
         if swap is not None:
             swap_before, layer_stall_before = dict(swap.stats), swap.stall.total_ms()
         if isinstance(opt, StreamedAdamW8bit):
