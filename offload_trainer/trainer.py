@@ -101,6 +101,7 @@ class OffloadMixin:
         self._tokens_since_log = 0
         self._last_log_time = time.perf_counter()
         self._last_bytes = 0
+        self._last_stall_ms = 0.0
         self._plan: Plan | None = None
         self._activations = None  # the ActivationOffloader, once installed in this train()
         self._want_activations = False
@@ -456,16 +457,22 @@ class OffloadMixin:
                 logs["host_rss_gib"] = round(rss, 2)
             if torch.cuda.is_available():
                 logs["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            if self._offload_opt is not None and self._offload_opt.device.type == "cuda":
-                stats = self._offload_opt.stats
-                moved = stats["h2d_bytes"] + stats["d2h_bytes"]
+            movers = [m for m in (self._offload_opt, self._swap, self._activations) if m is not None]
+            if torch.cuda.is_available() and movers:
+                moved = sum(m.stats["h2d_bytes"] + m.stats["d2h_bytes"] for m in movers)
                 logs["pcie_gb_per_s"] = round((moved - self._last_bytes) / dt / 1e9, 2)
-                logs["host_pinned_gib"] = round(self._offload_opt.memory_stats()["pinned_bytes"] / 2**30, 2)
-                self._last_bytes = moved
+                pinned = sum(m.memory_stats()["pinned_bytes"] for m in movers if hasattr(m, "memory_stats"))
+                pinned += self._activations.pinned_bytes() if self._activations is not None else 0
+                logs["host_pinned_gib"] = round(pinned / 2**30, 2)
+                # time the GPU's compute stream waited for a layer's weights or an update, since the last log
+                stall = sum(m.stall.total_ms() for m in movers if hasattr(m, "stall"))
+                logs["gpu_stall_ms"] = round(stall - self._last_stall_ms, 1)
+                self._last_bytes, self._last_stall_ms = moved, stall
             if self._nonfinite["skipped"]:
                 logs["nonfinite_skipped"] = self._nonfinite["skipped"]
-            logger.info("step %d | loss %.4f | %.0f tok/s | gpu peak %s GiB", self.state.global_step,
-                        logs["loss"], logs["tok_per_s"], logs.get("gpu_peak_gib", "-"))
+            logger.info("step %d | loss %.4f | %.0f tok/s | gpu peak %s GiB | pcie %s GB/s | stall %s ms",
+                        self.state.global_step, logs["loss"], logs["tok_per_s"], logs.get("gpu_peak_gib", "-"),
+                        logs.get("pcie_gb_per_s", "-"), logs.get("gpu_stall_ms", "-"))
             self._tokens_since_log = 0
             self._last_log_time = now
         super().log(logs, start_time)

@@ -207,3 +207,18 @@ def test_qlora_4bit_with_layer_swap_through_the_cli(tmp_path, capsys):
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert (tmp_path / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_logs_show_pcie_pinned_and_stall_with_layer_swap(tmp_path):
+    model, tok, train = tiny_setup(layers=4)
+    args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4,
+                                    learning_rate=3e-3, gradient_checkpointing=True, layer_swap="2",
+                                    activation_offload=True, max_grad_norm=0.0, logging_steps=2,
+                                    save_strategy="no", report_to="none")
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 3 and logs[-1]["loss"] < logs[0]["loss"]
+    assert all(h["pcie_gb_per_s"] > 0 and h["host_pinned_gib"] > 0 and h["gpu_stall_ms"] >= 0 for h in logs)
+    assert trainer._swap.stats["loads"] > 0
