@@ -454,7 +454,7 @@ class OffloadMixin:
             logs["tok_per_s"] = round(self._tokens_since_log / dt, 1)
             rss = rss_gib()
             if rss is not None:
-                logs["host_rss_gib"] = round(rss, 2)
+                logs["host_rss_gib"] = round(rss, 3)
             if torch.cuda.is_available():
                 logs["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             movers = [m for m in (self._offload_opt, self._swap, self._activations) if m is not None]

@@ -16,7 +16,8 @@ from offload_trainer.checkpoint import check_checkpoint, newest_complete_checkpo
 CONFIG = """model_config: tiny-llama
 model_overrides: {{num_hidden_layers: 2}}
 torch_dtype: float32
-dataset_path: builtin
+dataset_path: random
+random_num_samples: 128
 max_seq_length: 64
 output_dir: {out}
 max_steps: {steps}

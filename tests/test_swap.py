@@ -29,7 +29,7 @@ def setup(device, layers=6, dtype=torch.float32, hidden=None):
     swapped = copy.deepcopy(model)
     model.to(device)
     batches = [{k: torch.stack([train[i + j][k] for j in range(2)]).to(device) for k in train[0]}
-               for i in range(0, 24, 2)]
+               for i in range(0, 16, 2)]
     return model, swapped, batches
 
 
