@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import difflib
 import enum
+import functools
 import os
 import types
 import typing
@@ -27,6 +28,13 @@ def _arg_classes():
     from .args import DataArguments, ModelArguments, OffloadTrainingArguments
 
     return ModelArguments, DataArguments, OffloadTrainingArguments
+
+
+@functools.lru_cache(maxsize=None)
+def field_types() -> dict[str, Any]:
+    """Each key's declared type, from the annotations: HfArgumentParser rewrites `Field.type` in place (it
+    drops the None of `str | None`), so after one parse the fields' own `.type` is no longer what was declared."""
+    return {name: tp for cls in _arg_classes() for name, tp in typing.get_type_hints(cls).items()}
 
 
 def valid_fields() -> dict[str, dataclasses.Field]:
@@ -91,7 +99,7 @@ def check_keys_and_types(cfg: dict[str, Any], source: str) -> None:
             close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
             hint = f" Did you mean {close[0]!r}?" if close else " `offload-trainer keys` lists them all."
             raise ConfigError(f"{source}: unknown key {key!r}.{hint}")
-        tp = fields[key].type
+        tp = field_types()[key]
         if isinstance(value, str) and _admits_float(tp) and not _type_ok(value, tp):
             with contextlib.suppress(ValueError):
                 cfg[key] = value = float(value)

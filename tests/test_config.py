@@ -78,3 +78,11 @@ def test_missing_config_file():
 def test_model_source_must_be_exactly_one(tmp_path):
     with pytest.raises(ConfigError, match="exactly one of"):
         parse_args(load_config(write(tmp_path, f"output_dir: {tmp_path}\n")))
+
+
+def test_types_are_checked_as_declared_after_a_parse(tmp_path):
+    """HfArgumentParser rewrites the dataclass fields' types in place (str | None -> str): a second config
+    in the same process must still accept `model_config: null`."""
+    parse_args(load_config(write(tmp_path, BASE.format(out=tmp_path))))
+    cfg = load_config(write(tmp_path, f"model_name_or_path: {tmp_path}\nmodel_config: null\noutput_dir: {tmp_path}\n"))
+    assert cfg["model_config"] is None
