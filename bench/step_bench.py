@@ -191,10 +191,8 @@ def main() -> None:
             if a.soak:
                 from offload_trainer.sysinfo import rss_gib
 
-                pinned = sum(o.memory_stats()["pinned_bytes"] for o in (opt, swap) if o is not None and
-                             hasattr(o, "memory_stats")) + (offloader.pinned_bytes() if offloader else 0)
                 series["rss_gib"].append(round(rss_gib(), 3))
-                series["pinned_gib"].append(round(pinned / 2**30, 3))
+                series["pinned_gib"].append(round(pinned_bytes(opt, swap, offloader) / 2**30, 3))
                 series["reserved_gib"].append(round(torch.cuda.memory_reserved() / 2**30, 3))
             if not a.soak or i % 25 == 0:
                 print(f"{a.system} {a.model} step {i}: {times[-1]:.3f} s loss {losses[-1]}", flush=True)
@@ -220,9 +218,7 @@ def main() -> None:
             row["extra"].update(h2d_gb_per_step=round(moved["h2d_bytes"] / 1e9, 2),
                                 d2h_gb_per_step=round(moved["d2h_bytes"] / 1e9, 2),
                                 pcie_gb_per_s=round((moved["h2d_bytes"] + moved["d2h_bytes"]) / prof_s / 1e9, 1))
-            row["pinned_gib"] = round((opt.memory_stats()["pinned_bytes"]
-                                       + (offloader.pinned_bytes() if offloader else 0)
-                                       + (swap.memory_stats()["pinned_bytes"] if swap else 0)) / 2**30, 2)
+            row["pinned_gib"] = round(pinned_bytes(opt, swap, offloader) / 2**30, 2)
             torch.cuda.synchronize()
             # GPU stall of the profiled step: the compute stream waiting for an update / a layer's weights
             row["extra"]["update_stall_ms"] = round(opt.stall.total_ms() - update_stall_before, 1)
@@ -231,6 +227,11 @@ def main() -> None:
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
     finish_row(row, a.out)
+
+
+def pinned_bytes(*movers) -> int:
+    """Host memory pinned by our optimizer, layer swap and activation offloader (None / torch optimizers: 0)."""
+    return sum(m.memory_stats()["pinned_bytes"] for m in movers if hasattr(m, "memory_stats"))
 
 
 def timed(step) -> tuple[float, float]:

@@ -44,6 +44,10 @@ class ActivationOffloader:
     def pinned_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._host.values()) if self._streams.is_cuda else 0
 
+    def memory_stats(self) -> dict[str, int]:
+        """As the optimizer's and the layer swap's: host memory this offloader pins."""
+        return {"pinned_bytes": self.pinned_bytes()}
+
     def reset(self) -> None:
         """Forget the saved inputs of an abandoned forward (a new forward starts the count again)."""
         self._entries = []

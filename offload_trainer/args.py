@@ -16,6 +16,16 @@ ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_8bit")
 MASTER_WEIGHTS = ("bf16_sr", "bf16")
 
 
+def offload_conflict(args) -> str | None:
+    """Why `offload_optimizer` cannot run with these arguments (DeepSpeed / FSDP given), or None."""
+    engines = [k for k in ("deepspeed", "fsdp") if getattr(args, k, None)]
+    if not engines or not getattr(args, "offload_optimizer", True):
+        return None
+    return (f"offload_optimizer streams the optimizer states itself and cannot run under {' / '.join(engines)} "
+            f"(which shard or offload them their own way): remove {', '.join(engines)}, or set "
+            f"offload_optimizer: false")
+
+
 def checkpointing_on(args) -> bool:
     """Gradient checkpointing is on (transformers 5.x calls it `activation_checkpointing`; older: `gradient_...`)."""
     return bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False))
@@ -174,11 +184,9 @@ class OffloadTrainingArguments(TrainingArguments):
         return False if str(self.layer_swap).lower() != "off" else None
 
     def __post_init__(self) -> None:
-        incompatible = [k for k in ("deepspeed", "fsdp") if getattr(self, k, None)]
-        if incompatible and self.offload_optimizer:  # before the Trainer's checks, which would import DeepSpeed
-            raise ValueError(f"offload_optimizer streams the optimizer states itself and cannot run under "
-                             f"{' / '.join(incompatible)} (which shard or offload them their own way): remove "
-                             f"{', '.join(incompatible)}, or set offload_optimizer: false")
+        conflict = offload_conflict(self)
+        if conflict:  # before the Trainer's checks, which would import DeepSpeed
+            raise ValueError(conflict)
         super().__post_init__()
         if self.offload_optimizer:
             optim = getattr(self.optim, "value", self.optim)

@@ -71,7 +71,7 @@ def clean_staging(run_dir: str) -> None:
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
 
 
-def check_checkpoint(path: str, model=None, *, need_optimizer: bool = True) -> None:
+def check_checkpoint(path: str, model=None) -> None:
     """Raise CheckpointError if `path` cannot be resumed from (incomplete, damaged, or another model's)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"checkpoint {path!r} does not exist (resume_from_checkpoint: true picks the newest "
@@ -92,7 +92,7 @@ def check_checkpoint(path: str, model=None, *, need_optimizer: bool = True) -> N
         if model is not None:
             _check_same_model(shapes, model, path)
     opt = os.path.join(path, "optimizer.pt")
-    if need_optimizer and os.path.exists(opt):
+    if os.path.exists(opt):
         try:
             with zipfile.ZipFile(opt) as z:  # torch.save's archive: a cut-short file has no central directory
                 z.namelist()

@@ -201,8 +201,7 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     flops = (6 if lora else 8) * params * T + 8 * L * T * seq * h  # + causal attention
     t_compute = flops / machine.train_flops * (machine.nf4_slowdown if weight_bits == 4 else 1.0)
     t_native = t_compute + (16 * params / 4.0e12 if not lora else 0.0)  # AdamW: ~16 B/param at ~4 TB/s
-    kv = shape.kv_dim
-    per_layer = [h * h, h * kv, h * kv, h * h] + [h * inter] * 3
+    per_layer = [fan_in * fan_out for fan_in, fan_out in shape.linear_shapes().values()]
     n_chunks = L * (2 + sum(math.ceil(x / chunk) for x in per_layer)) + 2 * math.ceil(largest / chunk)
     # Launching chunk updates from Python competes with launching the step's own kernels; measured: hidden
     # on 8B at 8k tokens (1 s steps), not on 3B at 4k (0.25 s steps).

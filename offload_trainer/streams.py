@@ -85,7 +85,6 @@ class StallMeter:
         self._streams = streams
         self._pending: list = []
         self._ms = 0.0
-        self.waits = 0  # waits queued before their event had completed (possible stalls)
 
     def wait(self, stream, event) -> None:
         if event is None:
@@ -98,7 +97,6 @@ class StallMeter:
         stream.wait_event(event)
         after.record(stream)
         self._pending.append((before, after))
-        self.waits += 1
 
     def total_ms(self) -> float:
         """Stall time so far (waits whose end the GPU has not reached yet are counted later)."""

@@ -22,7 +22,8 @@ unshared tensors. Works from a bare loop; imports torch only. On CPU the same lo
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -78,7 +79,7 @@ class _Layer:
     refs: list[_Ref]
     host: list[Tensor]  # pinned, one storage per tensor
     signature: tuple
-    trainable: set = field(default_factory=set)  # parameters swapped with this layer that the optimizer updates
+    nbytes: int  # of the host tensors: what one fetch or one copy-back moves
     slot: "_Slot | None" = None
     loaded: object = None  # event: H2D into the slot done
     host_ready: object = None  # event: the last copy-back landed (host tensors final)
@@ -121,20 +122,16 @@ class LayerSwap:
         self._handles = []
         self._clock = 0
         self._current: _Layer | None = None
-        self._update_stream = None
         self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "loads": 0, "reloads_for_update": 0}
         for i, layer in enumerate(layers):
             if i in swapped:
                 self._layers[i] = self._offload(i, layer, swap_trainable)
             else:
                 layer.to(self.device)
-        pools: dict[tuple, list[_Slot]] = {}
-        for lay in self._layers.values():
-            pools.setdefault(lay.signature, [])
-        for sig, pool in pools.items():
-            for _ in range(min(prefetch + 2, sum(1 for lay in self._layers.values() if lay.signature == sig))):
-                pool.append(_Slot([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in sig]))
-        self._pools = pools
+        # one pool per layer shape (decoder stacks may mix kinds of layers), never more slots than such layers
+        counts = Counter(lay.signature for lay in self._layers.values())
+        self._pools = {sig: [_Slot([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in sig])
+                             for _ in range(min(prefetch + 2, n))] for sig, n in counts.items()}
         self._last: int | None = None  # the layer whose hook ran last
         for i, layer in enumerate(layers):
             # NOTE: the layer's own hook and its children's: transformers >= 5.2x checkpoints `forward`, not
@@ -177,15 +174,14 @@ class LayerSwap:
             r.set(h)  # the original storage (GPU or pageable CPU) is released here
             host.append(h)
         sig = tuple((tuple(h.shape), h.dtype) for h in host)
-        lay = _Layer(i, refs, host, sig)
+        lay = _Layer(i, refs, host, sig, nbytes=sum(h.numel() * h.element_size() for h in host))
         for r in refs:
-            if r.kind == "param" and r.get().requires_grad:
-                lay.trainable.add(r.owner._parameters[r.name])
+            if r.kind == "param" and r.get().requires_grad:  # updated by the optimizer, through `touch`
                 self._by_param[r.owner._parameters[r.name]] = lay
         return lay
 
     def remove(self) -> None:
-        """Remove the hooks (tensors stay where they are; call `to_device()` first to bring all back)."""
+        """Remove the hooks. Tensors stay where they are: swapped ones in host memory after `offload_all()`."""
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -275,7 +271,7 @@ class LayerSwap:
         slot.owner, lay.slot = lay, slot
         lay.stamp = self._clock
         self.stats["loads"] += 1
-        self.stats["h2d_bytes"] += sum(h.numel() * h.element_size() for h in lay.host)
+        self.stats["h2d_bytes"] += lay.nbytes
         return True
 
     def _take_slot(self, signature: tuple, protect: tuple) -> _Slot | None:
@@ -302,7 +298,7 @@ class LayerSwap:
                 for dst, src in zip(lay.host, slot.tensors):
                     dst.copy_(src, non_blocking=True)
             lay.host_ready = slot.free = S.record(S.d2h)
-            self.stats["d2h_bytes"] += sum(h.numel() * h.element_size() for h in lay.host)
+            self.stats["d2h_bytes"] += lay.nbytes
             lay.dirty = False
         else:
             slot.free = used
@@ -313,28 +309,22 @@ class LayerSwap:
             self._current = None
 
     # ------------------------------------------------------------------ optimizer side
-    def bind_update_stream(self, stream) -> None:
-        """The stream on which the optimizer writes weights (see `touch`)."""
-        self._update_stream = stream
-
     @contextlib.contextmanager
-    def touch(self, p: Tensor, stream=None):
+    def touch(self, p: Tensor, stream):
         """Around an optimizer update of `p`, queued on `stream`: the weights are in a GPU slot (fetched if
         they were not), the update waits for them, and the layer is copied back before its slot is reused."""
         lay = self._by_param.get(p)
         if lay is None:
             yield
             return
-        stream = stream if stream is not None else self._update_stream
         if lay.slot is None:
             protect = (lay,) + ((self._current,) if self._current is not None else ())
             self._load(lay, protect=protect)
             self.stats["reloads_for_update"] += 1
-        if stream is not None:
-            stream.wait_event(lay.loaded)
+        stream.wait_event(lay.loaded)
         yield
         lay.dirty = True
-        lay.updated = self._streams.record(stream) if stream is not None else None
+        lay.updated = self._streams.record(stream)
 
     # ------------------------------------------------------------------ whole-model operations
     def offload_all(self) -> None:
@@ -347,7 +337,7 @@ class LayerSwap:
         self._streams.synchronize()
 
     def memory_stats(self) -> dict[str, int]:
-        host = sum(h.numel() * h.element_size() for lay in self._layers.values() for h in lay.host)
+        host = sum(lay.nbytes for lay in self._layers.values())
         slots = sum(t.numel() * t.element_size() for pool in self._pools.values() for s in pool for t in s.tensors)
         return {"pinned_bytes": host if self._streams.is_cuda else 0, "host_bytes": host, "gpu_slot_bytes": slots,
                 "resident_layers": self.n_layers - len(self._layers), "swapped_layers": len(self._layers)}

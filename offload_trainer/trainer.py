@@ -27,7 +27,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .activations import enable_activation_offload
-from .args import OffloadTrainingArguments, checkpointing_on
+from .args import OffloadTrainingArguments, checkpointing_on, offload_conflict
 from .checkpoint import STAGING_PREFIX, check_checkpoint, check_disk, clean_staging, newest_complete_checkpoint, publish
 from .config import ConfigError
 from .errors import CheckpointError, TrainingInterrupted, TrainingStopped
@@ -90,11 +90,9 @@ class OffloadMixin:
 
     def __init__(self, *args, **kwargs):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        incompatible = [k for k in ("deepspeed", "fsdp") if getattr(training_args, k, None)]
-        if incompatible and getattr(training_args, "offload_optimizer", True):
-            raise ConfigError(f"offload_optimizer streams the optimizer states itself and cannot run under "
-                              f"{' / '.join(incompatible)} (which shard or offload them their own way): remove "
-                              f"{', '.join(incompatible)}, or set offload_optimizer: false")
+        conflict = offload_conflict(training_args)  # a plain TrainingArguments was not checked yet
+        if conflict:
+            raise ConfigError(conflict)
         apply_gpu_memory_limit(getattr(training_args, "gpu_memory_limit_gb", None))
         super().__init__(*args, **kwargs)
         self._offload_opt: StreamedAdamW8bit | None = None
@@ -331,8 +329,8 @@ class OffloadMixin:
         self._swap = LayerSwap(layers, device, resident=resident, prefetch=self._flag("layer_swap_prefetch"))
         if self._swap.trainable_swapped and not self._flag("offload_optimizer"):
             raise ConfigError("layer_swap with trainable swapped layers (full finetune) needs offload_optimizer: true: "
-                             "the streamed optimizer updates each swapped layer while it is on the GPU. (With LoRA "
-                             "only the frozen base weights are swapped and any optimizer works.)")
+                              "the streamed optimizer updates each swapped layer while it is on the GPU. (With LoRA "
+                              "only the frozen base weights are swapped and any optimizer works.)")
         # A map with more than one entry tells the Trainer and accelerate not to move the model as a whole.
         prefix = next(n for n, m in model.named_modules() if m is layers)
         model.hf_device_map = {"": str(device), **{f"{prefix}.{i}": "cpu" for i in self._swap.swapped_indices}}
@@ -461,8 +459,7 @@ class OffloadMixin:
             if torch.cuda.is_available() and movers:
                 moved = sum(m.stats["h2d_bytes"] + m.stats["d2h_bytes"] for m in movers)
                 logs["pcie_gb_per_s"] = round((moved - self._last_bytes) / dt / 1e9, 2)
-                pinned = sum(m.memory_stats()["pinned_bytes"] for m in movers if hasattr(m, "memory_stats"))
-                pinned += self._activations.pinned_bytes() if self._activations is not None else 0
+                pinned = sum(m.memory_stats()["pinned_bytes"] for m in movers)
                 logs["host_pinned_gib"] = round(pinned / 2**30, 2)
                 # time the GPU's compute stream waited for a layer's weights or an update, since the last log
                 stall = sum(m.stall.total_ms() for m in movers if hasattr(m, "stall"))
