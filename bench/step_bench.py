@@ -15,11 +15,18 @@ All systems: bf16 weights, SDPA, non-reentrant gradient checkpointing, random to
 auto asks the planner. The model is built on the GPU before the cap is set, then the swapped layers move to
 pinned host memory and the peak counters are reset: what a user gets by loading on the CPU, faster to set up.
 Every system runs in its own process (run_all.sh), so caps and allocator state do not leak between rows.
+
+Data parallel: launch with `torchrun --nproc_per_node N bench/step_bench.py offload_trainer...`; each rank
+takes its own micro-batches of the step (`--accum` per rank) and owns a shard of the optimizer states
+(distributed.py). Batches are drawn from a generator seeded by the step, so a 1-process run with
+`--accum N` sees exactly the micro-batches of an N-process run with `--accum 1` (the loss-match check).
+The cap applies per GPU; host and pinned figures are summed over the node's ranks.
 Writes one JSON row per run in the format of RESULTS.md (bench/results/).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -81,6 +88,9 @@ def main() -> None:
     ap.add_argument("--resident", default=None, help="offload_trainer: decoder layers kept on the GPU (N or auto)")
     ap.add_argument("--prefetch", type=int, default=1, help="layer swap: layers fetched ahead")
     ap.add_argument("--soak", action="store_true", help="record host RSS, pinned and GPU reserved after every step")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (per rank)")
+    ap.add_argument("--seeded-data", action="store_true", help="batches from a generator seeded by the step "
+                    "(identical across process counts; slower to draw than on the GPU)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -91,14 +101,22 @@ def main() -> None:
     from offload_trainer.models import architecture_config
     from offload_trainer.optim import StreamedAdamW8bit
 
+    world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    shard = None
+    if world > 1:
+        import torch.distributed as dist
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
     cfg = architecture_config(a.model, {"max_position_embeddings": max(8192, a.seq)})
     cfg._attn_implementation = "sdpa"
     cfg.use_cache = False
     torch.manual_seed(0)
     row = dict(run_id=a.run_id, commit=os.environ.get("COMMIT", "unknown"),
-               machine=f"{torch.cuda.get_device_name(0)} x1, {os.cpu_count()} cores", model=a.model,
-               method="full", system=a.system, gpus=1, gpu_cap_gib=a.cap or None, seq_len=a.seq,
-               micro_batch=a.bs, grad_accum=1, tokens_per_step=a.bs * a.seq, tok_per_s=None, step_s_median=None,
+               machine=f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, {os.cpu_count()} cores",
+               model=a.model, method="full", system=a.system, gpus=world, gpu_cap_gib=a.cap or None, seq_len=a.seq,
+               micro_batch=a.bs, grad_accum=a.accum, tokens_per_step=world * a.accum * a.bs * a.seq, tok_per_s=None,
+               step_s_median=None,
                peak_alloc_gib=None, peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None,
                extra={})
     opt = swap = None
@@ -128,7 +146,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         if a.cap:
-            total = torch.cuda.get_device_properties(0).total_memory
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
             torch.cuda.set_per_process_memory_fraction(a.cap * 2**30 / total)
         clip = None
         if a.system in ("native", "native_clip"):
@@ -144,8 +162,13 @@ def main() -> None:
             opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, offload_gradients=True, fused=True,
                                       lr=1e-5)
         elif a.system in ("offload_trainer", "offload_trainer_noclip"):
+            if world > 1:
+                from offload_trainer.distributed import Sharding
+
+                shard = Sharding()
             opt = StreamedAdamW8bit(model.parameters(), lr=1e-5, update_in_backward=noclip,
-                                    offload_gradients=not noclip and not a.grads_on_gpu, chunk_numel=a.chunk)
+                                    offload_gradients=not noclip and not a.grads_on_gpu, chunk_numel=a.chunk,
+                                    sharding=shard)
             row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk)
             from offload_trainer.planner import PlanError, plan
 
@@ -161,19 +184,38 @@ def main() -> None:
             opt.attach(model)
             if swap is not None:
                 opt.set_residency(swap.touch)
+            opt.sync_weights()
             clip = None if noclip else 1.0
         else:
             raise SystemExit(f"unknown system {a.system}")
         chunked = a.system.startswith("offload_trainer")
 
+        step_no = [0]
+
+        def micro_batches():
+            if not a.seeded_data:
+                return [torch.randint(0, cfg.vocab_size, (a.bs, a.seq), device="cuda") for _ in range(a.accum)]
+            gen = torch.Generator().manual_seed(1000 + step_no[0])
+            every = [torch.randint(0, cfg.vocab_size, (a.bs, a.seq), generator=gen) for _ in range(world * a.accum)]
+            return [x.cuda() for x in every[rank * a.accum:(rank + 1) * a.accum]]
+
         def step():
-            x = torch.randint(0, cfg.vocab_size, (a.bs, a.seq), device="cuda")
-            if chunked:
-                h = model.model(input_ids=x)[0]
-                loss = chunked_causal_lm_loss(h, x, model.lm_head.weight, chunk_size=a.loss_chunk)
-            else:
-                loss = model(input_ids=x, labels=x).loss
-            loss.backward()
+            total = 0.0
+            for k, x in enumerate(micro_batches()):
+                last = k == a.accum - 1
+                with contextlib.nullcontext() if last or not isinstance(opt, StreamedAdamW8bit) else opt.no_update():
+                    if chunked:
+                        h = model.model(input_ids=x)[0]
+                        loss = chunked_causal_lm_loss(h, x, model.lm_head.weight, chunk_size=a.loss_chunk)
+                    else:
+                        loss = model(input_ids=x, labels=x).loss
+                    (loss / a.accum).backward()
+                total = total + loss.detach() / a.accum
+            step_no[0] += 1
+            loss = total
+            if world > 1:  # the mean over ranks, as the Trainer logs it
+                torch.distributed.all_reduce(loss)
+                loss = loss / world
             if clip is not None:
                 if isinstance(opt, StreamedAdamW8bit):
                     opt.clip_grad_norm_(clip)
@@ -202,15 +244,21 @@ def main() -> None:
                 k: round((max(v[20:]) - min(v[20:])) / max(min(v[20:]), 1e-9), 4) for k, v in series.items()}
         measured = times[a.warmup:]
         med = statistics.median(measured)
-        row.update(tok_per_s=round(a.bs * a.seq / med, 1), step_s_median=round(med, 4))
+        row.update(tok_per_s=round(row["tokens_per_step"] / med, 1), step_s_median=round(med, 4))
         row["extra"].update(step_s=[round(t, 4) for t in times], losses=losses, first_step_s=round(times[0], 2),
-                            tok_per_s_best=round(a.bs * a.seq / min(measured), 1))
+                            tok_per_s_best=round(row["tokens_per_step"] / min(measured), 1))
         if swap is not None:
             swap_before, layer_stall_before = dict(swap.stats), swap.stall.total_ms()
         if isinstance(opt, StreamedAdamW8bit):
             before, update_stall_before = dict(opt.stats), opt.stall.total_ms()
             try:
-                row["extra"].update(gpu_idle_ms(step))
+                if world == 1:  # (with several ranks, time one more plain step for the byte counts)
+                    row["extra"].update(gpu_idle_ms(step))
+                else:
+                    comm_before = dict(shard.stats)
+                    row["extra"]["profiled_step_ms"] = round(timed(step)[0] * 1e3, 1)
+                    row["extra"].update({f"{k.replace('_bytes', '')}_gb_per_step_rank0":
+                                         round((shard.stats[k] - comm_before[k]) / 1e9, 2) for k in shard.stats})
             except Exception as e:  # the profile is extra information, not the measurement
                 row["extra"]["profile_error"] = repr(e)[:200]
             prof_s = row["extra"].get("profiled_step_ms", med * 1e3) / 1e3
@@ -226,7 +274,32 @@ def main() -> None:
                 row["extra"].update(swap_extra(swap, swap_before, layer_stall_before))
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
+    if world > 1:
+        row = per_node(row, opt, swap)
+        if rank:
+            return
     finish_row(row, a.out)
+
+
+def per_node(row: dict, opt, swap) -> dict:
+    """Data parallel: host RSS and pinned bytes summed over the ranks, GPU peaks the largest of any rank
+    (collected into rank 0's row; each rank's own in extra)."""
+    import torch.distributed as dist
+
+    from offload_trainer.sysinfo import peak_rss_gib
+
+    mine = dict(rss=peak_rss_gib() or 0.0, pinned=pinned_bytes(opt, swap) / 2**30,
+                reserved=torch.cuda.max_memory_reserved() / 2**30, alloc=torch.cuda.max_memory_allocated() / 2**30,
+                error=row["error"])
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    row["extra"]["per_rank"] = [{k: (round(v, 2) if isinstance(v, float) else v) for k, v in m.items()}
+                                for m in every]
+    row["error"] = next((m["error"] for m in every if m["error"]), None)
+    row["pinned_gib"] = round(sum(m["pinned"] for m in every), 2)
+    row["_node"] = dict(host=sum(m["rss"] for m in every), reserved=max(m["reserved"] for m in every),
+                        alloc=max(m["alloc"] for m in every))
+    return row
 
 
 def pinned_bytes(*movers) -> int:
@@ -255,9 +328,10 @@ def swap_extra(swap, before: dict, stall_before: float) -> dict:
 
 def finish_row(row: dict, out: str | None) -> None:
     """Peak memory figures, then print the row and append it to `out`."""
-    row["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    row["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-    row["host_peak_gib"] = round(peak_rss_gib() or float("nan"), 2)
+    node = row.pop("_node", None)  # data parallel: figures over the node's ranks (per_node)
+    row["peak_alloc_gib"] = round(node["alloc"] if node else torch.cuda.max_memory_allocated() / 2**30, 2)
+    row["peak_reserved_gib"] = round(node["reserved"] if node else torch.cuda.max_memory_reserved() / 2**30, 2)
+    row["host_peak_gib"] = round(node["host"] if node else peak_rss_gib() or float("nan"), 2)
     print("ROW " + json.dumps(row), flush=True)
     if out:
         with open(out, "a") as f:

@@ -6,6 +6,7 @@ own `HfArgumentParser` (see `config.py`).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -187,6 +188,9 @@ class OffloadTrainingArguments(TrainingArguments):
         conflict = offload_conflict(self)
         if conflict:  # before the Trainer's checks, which would import DeepSpeed
             raise ValueError(conflict)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not self.use_cpu and not _cuda_available():
+            # torchrun on a machine without CUDA: without use_cpu the Trainer would run each process on its own
+            self.use_cpu = True
         super().__post_init__()
         if self.offload_optimizer:
             optim = getattr(self.optim, "value", self.optim)
@@ -223,3 +227,9 @@ class OffloadTrainingArguments(TrainingArguments):
             raise ValueError(f"layer_swap_prefetch={self.layer_swap_prefetch}: use 0 or more")
         if self.gpu_memory_limit_gb is not None and self.gpu_memory_limit_gb <= 0:
             raise ValueError(f"gpu_memory_limit_gb={self.gpu_memory_limit_gb}: give a positive number of GiB")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

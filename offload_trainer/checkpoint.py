@@ -21,6 +21,7 @@ logger = logging.getLogger("offload_trainer")
 
 STAGING_PREFIX = ".partial-"  # staging/.partial-checkpoint-N/checkpoint-N while it is written
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
+_SHARD = re.compile(r"^optimizer-rank(\d+)-of-(\d+)\.pt$")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
                 "pytorch_model.bin")
 
@@ -91,14 +92,52 @@ def check_checkpoint(path: str, model=None) -> None:
         shapes = _safetensors_shapes(os.path.join(path, weights[0]), path)
         if model is not None:
             _check_same_model(shapes, model, path)
-    opt = os.path.join(path, "optimizer.pt")
-    if os.path.exists(opt):
+    for opt in optimizer_files(path):
         try:
             with zipfile.ZipFile(opt) as z:  # torch.save's archive: a cut-short file has no central directory
                 z.namelist()
         except (zipfile.BadZipFile, OSError) as e:
-            raise CheckpointError(f"checkpoint {path!r} is damaged: optimizer.pt is not a complete archive ({e}). "
-                                  f"Resume from an earlier checkpoint.") from None
+            raise CheckpointError(f"checkpoint {path!r} is damaged: {os.path.basename(opt)} is not a complete "
+                                  f"archive ({e}). Resume from an earlier checkpoint.") from None
+
+
+def optimizer_shard_name(rank: int, world_size: int) -> str:
+    """Data parallel: each rank saves the states it owns in its own file (one rank: optimizer.pt)."""
+    return "optimizer.pt" if world_size == 1 else f"optimizer-rank{rank}-of-{world_size}.pt"
+
+
+def optimizer_files(path: str) -> list[str]:
+    """The optimizer state files of a checkpoint: optimizer.pt, or every rank's shard (all must be there)."""
+    shards = sorted((int(m.group(1)), int(m.group(2)), name) for name in os.listdir(path)
+                    if (m := _SHARD.match(name)))
+    if shards:
+        world = shards[0][1]
+        if sorted(r for r, w, _ in shards if w == world) != list(range(world)) or len(shards) != world:
+            raise CheckpointError(f"checkpoint {path!r} is incomplete: it holds optimizer shards "
+                                  f"{[n for _, _, n in shards]}, not ranks 0..{world - 1} of {world}. Resume from an "
+                                  f"earlier checkpoint.")
+        return [os.path.join(path, n) for _, _, n in shards]
+    single = os.path.join(path, "optimizer.pt")
+    return [single] if os.path.exists(single) else []
+
+
+def load_optimizer_states(path: str) -> dict | None:
+    """The optimizer state of a checkpoint as one state dict (every rank's shard merged: each holds the states
+    of the tensors its rank owned, under the same ids), memory-mapped so nothing is read twice into RAM. Any
+    number of ranks can load it: each keeps what it owns (re-sharding)."""
+    import torch
+
+    files = optimizer_files(path)
+    if not files:
+        return None
+    merged = None
+    for f in files:
+        sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        if merged is None:
+            merged = sd
+        else:
+            merged["state"].update(sd["state"])
+    return merged
 
 
 def _safetensors_shapes(file: str, path: str) -> dict[str, tuple]:

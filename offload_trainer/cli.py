@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         force=True)  # bound to the current stderr, also when main() runs again in-process
+    # several processes (torchrun): rank 0 tells the story
+    logger.setLevel(logging.WARNING if int(os.environ.get("RANK", "0")) > 0 else logging.NOTSET)
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     try:
         if args.command == "keys":

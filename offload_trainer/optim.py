@@ -15,6 +15,10 @@ When the updates happen:
   `torch.nn.utils.clip_grad_norm_` would, and `step()` streams the updates in forward order; with
   `attach(model)` the next forward overlaps them, each layer waiting only for its own update.
 
+Data parallel (`sharding=Sharding()`, distributed.py): each rank keeps and updates only the states of the
+tensors it owns; gradients are averaged onto their owner as they are ready, and the owner broadcasts the
+updated weights (ZeRO-1, with the states in each rank's pinned memory).
+
 On CPU the same code runs with synchronous stand-ins for streams (see streams.py).
 The state dict has torchao `AdamW8bit`'s layout (`step`, `exp_avg`, `exp_avg_sq`).
 """
@@ -30,6 +34,7 @@ from torchao.optim.adam import single_param_adam
 from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
+from .distributed import Sharding
 from .streams import StallMeter, Streams, pinned_empty
 
 __all__ = ["StreamedAdamW8bit", "forward_units"]
@@ -120,6 +125,7 @@ class _StepPlan:
     norms: dict = field(default_factory=dict)  # param -> grad norm (0-dim tensor)
     host_grad_ready: dict = field(default_factory=dict)  # param -> event: grad copied to host
     updated: set = field(default_factory=set)  # params already updated in this backward
+    reduced: list = field(default_factory=list)  # data parallel: params whose gradient was reduced, in order
     clip_coef: Tensor | None = None
 
 
@@ -145,6 +151,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         chunk_numel: int = 2**25,
         inflight_chunks: int = 4,
         compile: bool | None = None,
+        sharding: Sharding | None = None,
     ) -> None:
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}")
@@ -168,7 +175,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
         # Parameters on the host beside GPU ones are swapped layers (swap.py): updated where they are fetched to.
         self.device = accel.pop() if accel else torch.device("cpu")
-        self._streams = Streams(self.device)
+        self._shard = sharding if sharding is not None and sharding.world_size > 1 else None
+        self._owner = self._shard.owners(self._params) if self._shard is not None else {}
+        self._streams = Streams(self.device, comm_streams=self._shard is not None)
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._step_fn, self._chunk_fn = single_param_adam, adamw8bit_chunk
         if compile if compile is not None else self.device.type == "cuda":
@@ -203,6 +212,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
 
     # ------------------------------------------------------------------ setup
+    def _owns(self, p: Tensor) -> bool:
+        """Whether this rank keeps and updates `p`'s states (always, without data parallel)."""
+        return self._shard is None or self._owner[p] == self._shard.rank
+
     def _is_8bit(self, p: Tensor) -> bool:
         # torchao's rule (after bitsandbytes): only tensors of >= 4096 values, divisible into blocks.
         return p.numel() >= 4096 and p.numel() % self.block_size == 0
@@ -214,7 +227,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             self._init_slots(self._inflight_chunks)
 
     def _init_states(self, *, pin: bool) -> None:
-        big = [p for p in self._params if self._is_8bit(p)]
+        big = [p for p in self._params if self._is_8bit(p) and self._owns(p)]
         total = sum(p.numel() for p in big)
         bs = self.block_size
         # One flat host buffer per kind (exactly sized, pinned once): codes of both moments, their scales,
@@ -231,6 +244,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._qmaps_dev = [q.to(self.device) for q in qmaps]
         off = 0
         for p in self._params:
+            if not self._owns(p):
+                continue
             st = self.state[p]
             st["step"] = torch.tensor(0.0)
             if self._is_8bit(p):
@@ -295,10 +310,31 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
         return hook
 
+    @torch.no_grad()
+    def sync_weights(self, src: int = 0) -> None:
+        """Data parallel: make every rank's trainable weights rank `src`'s (as DistributedDataParallel does at
+        construction). A no-op on one rank. Swapped layers' host copies go through a GPU buffer."""
+        if self._shard is None:
+            return
+        for p in self._params:
+            t = p.detach()
+            staged = t.to(self.device) if t.device != self.device else t
+            self._shard.broadcast(staged, src).wait()
+            if staged is not t:
+                t.copy_(staged)
+        if self._streams.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
     def set_residency(self, touch) -> None:
         """`touch(p, update_stream)`: a context manager around each update of `p`, which makes sure `p` is
         on the device while the update is queued (the layer-swap engine's `LayerSwap.touch`)."""
         self._residency = touch
+
+    def all_finite(self, t: Tensor) -> bool:
+        """Whether `t` is finite on this rank and (data parallel) on every rank: a step is skipped everywhere or
+        nowhere, so the ranks issue the same collectives. One device sync."""
+        ok = bool(torch.isfinite(t).all())
+        return ok if self._shard is None else self._shard.all_true(ok, self.device)
 
     def skip_next_step(self) -> None:
         """The next `step()` drops the gradients instead of updating (a non-finite loss or norm was seen)."""
@@ -320,14 +356,55 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             return
         self._ensure_states()
         S = self._streams
+        if self._shard is not None:
+            ready = self._reduce(p)
+            if ready is None:  # another rank owns p: its new weights come from there
+                if self.update_in_backward:
+                    self._plan.updated.add(p)
+                    self._publish(p, S.record(S.compute()))
+                return
+        else:
+            ready = S.record(S.compute())
+            if self.update_in_backward or (self.offload_gradients and p in self._offset):
+                self._plan.norms[p] = _grad_norm(p.grad)
         if self.update_in_backward:
-            self._plan.norms[p] = _grad_norm(p.grad)
-            self._update_param(p, S.record(S.compute()))
+            self._update_param(p, ready)
             self._plan.updated.add(p)
-            self._record_unit_done(p)
+            self._publish(p, S.record(S.update))
         elif self.offload_gradients and p in self._offset:
-            self._plan.norms[p] = _grad_norm(p.grad)
-            self._offload_grad(p, S.record(S.compute()))
+            self._offload_grad(p, ready)
+
+    def _reduce(self, p: Tensor):
+        """Queue the mean over ranks of `p.grad` onto `p`'s owner. On the owner: returns the event after which
+        `p.grad` holds it (its norm is queued behind it); elsewhere the gradient is dropped and None returned."""
+        S, grad, owner = self._streams, p.grad, self._owner[p]
+        work = self._shard.reduce_mean(grad, owner)  # NCCL starts after the compute stream's work so far
+        self._plan.reduced.append(p)
+        with S.on(S.reduced):
+            work.wait()  # the stream waits, not the CPU (gloo: the CPU waits)
+            S.keep_alive(grad, S.reduced)  # not reused by the allocator before the reduction has read it
+            if owner == self._shard.rank:
+                self._plan.norms[p] = _grad_norm(grad)
+        if owner != self._shard.rank:
+            p.grad = None
+            return None
+        return S.record(S.reduced)
+
+    def _publish(self, p: Tensor, after) -> None:
+        """`p` is final for this step once `after`: with data parallel, broadcast it from its owner (every rank
+        calls this for every reduced tensor, in the same order); then mark its unit's next forward ready.
+
+        On a non-owner `after` is the compute stream at the gradient hook: kernels of this backward that still
+        read `p` (e.g. the input gradient of its layer) are queued before it, so they read the old weights."""
+        S = self._streams
+        if self._shard is None:
+            self._record_unit_done(p, S.update)
+            return
+        with self._residency(p, S.published):  # a swapped layer: receive into (or send from) its GPU slot
+            S.published.wait_event(after)
+            with S.on(S.published):
+                self._shard.broadcast(p.detach(), self._owner[p]).wait()
+        self._record_unit_done(p, S.published)
 
     def _offload_grad(self, p: Tensor, grad_ready) -> None:
         S = self._streams
@@ -343,10 +420,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self.stats["d2h_bytes"] += n * p.grad.element_size()
         p.grad = None
 
-    def _record_unit_done(self, p: Tensor) -> None:
+    def _record_unit_done(self, p: Tensor, stream) -> None:
         unit = self._unit_of.get(p)
-        if unit is not None:
-            self._unit_event[unit] = self._streams.record(self._streams.update)
+        if unit is not None:  # one stream per mode (update, or published with data parallel): the last covers all
+            self._unit_event[unit] = self._streams.record(stream)
 
     # ------------------------------------------------------------------ the update
     def _update_param(self, p: Tensor, grad_ready) -> None:
@@ -436,13 +513,18 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 "clipped any more. Construct with update_in_backward=False to clip by global norm, or set "
                 "max_grad_norm to 0 / inf."
             )
-        norms, on_device = {}, []
+        S = self._streams
+        if self._shard is not None:
+            S.compute().wait_stream(S.reduced)  # gradients reduced onto their owners, and their norms
+        norms = {}
         for p in self._norm_order:
             if p in self._plan.norms:
                 norms[p] = self._plan.norms[p]
             elif p.grad is not None:
                 norms[p] = _grad_norm(p.grad)
-                on_device.append(p)  # clip_grads_with_norm_ takes parameters
+        on_device = [p for p in norms if p.grad is not None]  # clip_grads_with_norm_ takes parameters
+        if self._shard is not None:
+            norms = self._gather_norms(norms)
         if not norms:
             return torch.tensor(0.0, device=self.device)
         # clip_grad_norm_ stacks per-tensor norms grouped by gradient dtype, in parameter order
@@ -455,6 +537,17 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             self._plan.clip_coef = coef.to(self.device)
         return total
+
+    def _gather_norms(self, own: dict) -> dict:
+        """Every rank gets every reduced tensor's norm (each owner measured its own), in model order, so the
+        global norm is computed from the same values in the same order as on one GPU: the same bits."""
+        ordered = [p for p in self._norm_order if p in set(self._plan.reduced)]
+        if not ordered:
+            return {}
+        zero = torch.zeros((), dtype=torch.float32, device=self.device)
+        vec = torch.stack([own[p].float() if p in own else zero for p in ordered])
+        vec = self._shard.sum(vec)  # one value per tensor, the others' zeros: the sum is exact
+        return {p: vec[i].to(own[p].dtype if p in own else p.dtype) for i, p in enumerate(ordered)}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -475,16 +568,23 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             return loss
         self._ensure_states()
         S = self._streams
+        if self._shard is not None:
+            S.compute().wait_stream(S.reduced)  # owners' gradients are reduced
         grads_final = S.record(S.compute())  # after backward and any in-place clipping
-        pending = [p for p in self._params if p.grad is not None or p in self._plan.host_grad_ready]
+        if self._shard is not None:  # the same list, in the same order, on every rank
+            pending = [p for p in self._plan.reduced if p not in self._plan.updated and (
+                not self._owns(p) or p.grad is not None or p in self._plan.host_grad_ready)]
+        else:
+            pending = [p for p in self._params if p.grad is not None or p in self._plan.host_grad_ready]
         if pending:
             # the clip coefficient and in-place clipped gradients come from the compute stream
             S.update.wait_event(grads_final)
             order = {p: i for i, ps in enumerate(self._units) for p in ps}
             pending.sort(key=lambda p: order.get(p, len(self._units)))
             for p in pending:
-                self._update_param(p, self._plan.host_grad_ready.get(p, grads_final))
-                self._record_unit_done(p)
+                if self._owns(p):
+                    self._update_param(p, self._plan.host_grad_ready.get(p, grads_final))
+                self._publish(p, S.record(S.update) if self._owns(p) else grads_final)
         self._finish_step()
         return loss
 
@@ -496,6 +596,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if not self._units or orphans:
             # No per-layer waits cover these weights: the compute stream waits for every update.
             S.compute().wait_stream(S.update)
+            if self._shard is not None:
+                S.compute().wait_stream(S.published)
         self._plan = _StepPlan()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -507,6 +609,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         S = self._streams
         if S.is_cuda:
             S.compute().wait_stream(S.update)
+            if self._shard is not None:
+                S.compute().wait_stream(S.published)
             S.synchronize()
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -527,6 +631,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         idmap = {sid: p for g, s in zip(groups, saved) for sid, p in zip(s["params"], g["params"])}
         for sid, saved_st in state_dict["state"].items():
             p = idmap[sid]
+            if not self._owns(p):  # data parallel: another rank's share (a merged or unsharded checkpoint)
+                continue
             st = self.state[p]
             for key, val in saved_st.items():
                 dst = st.get(key)

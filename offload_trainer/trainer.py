@@ -28,8 +28,10 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .activations import enable_activation_offload
 from .args import OffloadTrainingArguments, checkpointing_on, offload_conflict
-from .checkpoint import STAGING_PREFIX, check_checkpoint, check_disk, clean_staging, newest_complete_checkpoint, publish
+from .checkpoint import (STAGING_PREFIX, check_checkpoint, check_disk, clean_staging, load_optimizer_states,
+                         newest_complete_checkpoint, optimizer_shard_name, publish)
 from .config import ConfigError
+from .distributed import Sharding
 from .errors import CheckpointError, TrainingInterrupted, TrainingStopped
 from .loss import chunked_causal_lm_loss
 from .optim import StreamedAdamW8bit
@@ -128,7 +130,7 @@ class OffloadMixin:
         self._want_activations = self._resolved("activation_offload") and checkpointing_on(self.args)
         self._interrupted = None
         self._nonfinite.update(in_a_row=0, stopped=False)
-        with self._signals_stop_cleanly():
+        with self._signals_stop_cleanly(), self._no_ddp_wrapper():
             result = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         if self._interrupted is not None:
             ckpt = newest_complete_checkpoint(self.args.output_dir)
@@ -147,12 +149,47 @@ class OffloadMixin:
                 f"raise max_nonfinite_steps. " + (f"Last checkpoint: {ckpt}." if ckpt else ""))
         return result
 
+    # -------------------------------------------------------------- data parallel
+    def _sharded(self) -> bool:
+        """Several ranks and the streamed optimizer: it reduces gradients and shards states itself."""
+        return self.args.world_size > 1 and bool(self._flag("offload_optimizer"))
+
+    @contextlib.contextmanager
+    def _no_ddp_wrapper(self):
+        """Keep accelerate from wrapping the model in DistributedDataParallel (it does for any trainable model in
+        a multi-process run): DDP would all-reduce every gradient into its own buckets, a second full gradient
+        set on the GPU, and refuses swapped layers. There is no Trainer seam for this, so this Trainer's own
+        accelerator prepares the model as for evaluation (mixed precision, placement) while train() runs."""
+        if not self._sharded():
+            yield
+            return
+        acc = self.accelerator
+        prepare_model = acc.prepare_model
+        bypass = os.environ.get("ACCELERATE_BYPASS_DEVICE_MAP")
+
+        def without_ddp(model, device_placement=None, evaluation_mode=False):
+            return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
+
+        acc.prepare_model = without_ddp
+        if self._swap is not None:  # swapped layers are a multi-device map, which accelerate refuses when distributed
+            os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
+        try:
+            yield
+        finally:
+            del acc.prepare_model  # back to the class's method
+            if bypass is None:
+                os.environ.pop("ACCELERATE_BYPASS_DEVICE_MAP", None)
+            else:
+                os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = bypass
+
     # -------------------------------------------------------------- checkpoints
     def _resolve_resume(self, resume):
         """True / 'true' -> the newest complete checkpoint in output_dir; a path -> checked before anything loads."""
         if isinstance(resume, str) and resume.strip().lower() in ("true", "latest", "false", "none", ""):
             resume = resume.strip().lower() in ("true", "latest")
-        clean_staging(self.args.output_dir)  # what a killed save left behind
+        if self.args.should_save:
+            clean_staging(self.args.output_dir)  # what a killed save left behind
+        self.accelerator.wait_for_everyone()
         if resume is True:
             found = newest_complete_checkpoint(self.args.output_dir, self.model)
             if found is None:
@@ -182,12 +219,18 @@ class OffloadMixin:
         run_dir = self._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         staging = os.path.join(run_dir, STAGING_PREFIX + name)
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
+        main = self.args.should_save  # several ranks write into one staging dir; the main one publishes it
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        self.accelerator.wait_for_everyone()
         self._staging_run_dir = staging
         try:
             super()._save_checkpoint(model, trial)
-            publish(os.path.join(staging, name), os.path.join(run_dir, name))
+            self.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is written
+            if main:
+                publish(os.path.join(staging, name), os.path.join(run_dir, name))
+            self.accelerator.wait_for_everyone()
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
@@ -198,7 +241,8 @@ class OffloadMixin:
                                   + "Free some space and resume with resume_from_checkpoint: true.") from None
         finally:
             self._staging_run_dir = None
-            shutil.rmtree(staging, ignore_errors=True)
+            if main:
+                shutil.rmtree(staging, ignore_errors=True)
         best = self.state.best_global_step
         if best and os.path.isdir(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")):
             self.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
@@ -206,12 +250,25 @@ class OffloadMixin:
             rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
                                best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
 
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if self._offload_opt is None or not self._sharded():
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # each rank owns part of the states: every rank writes its own shard
+        os.makedirs(output_dir, exist_ok=True)
+        torch.save(self._offload_opt.state_dict(),
+                   os.path.join(output_dir, optimizer_shard_name(self.args.process_index, self.args.world_size)))
+        if self.args.should_save:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
     def _load_optimizer_and_scheduler(self, checkpoint):
-        opt_file = os.path.join(checkpoint, "optimizer.pt") if checkpoint else None
-        if self._offload_opt is None or not opt_file or not os.path.isfile(opt_file):
+        states = load_optimizer_states(checkpoint) if checkpoint and self._offload_opt is not None else None
+        if states is None:
             return super()._load_optimizer_and_scheduler(checkpoint)
-        # mmap: the states go from the file's pages straight into the pinned buffers, never a second copy in RAM
-        self._offload_opt.load_state_dict(torch.load(opt_file, map_location="cpu", weights_only=True, mmap=True))
+        # mmap: the states go from the file's pages straight into the pinned buffers, never a second copy in RAM;
+        # with several ranks each keeps the tensors it owns, whatever the number of ranks that saved them
+        self._offload_opt.load_state_dict(states)
         sched = os.path.join(checkpoint, "scheduler.pt")
         if os.path.isfile(sched):
             with warnings.catch_warnings():
@@ -327,6 +384,9 @@ class OffloadMixin:
                     if b is not None:
                         m._buffers[name] = b.to(device)
         self._swap = LayerSwap(layers, device, resident=resident, prefetch=self._flag("layer_swap_prefetch"))
+        if self.args.world_size > 1 and not self._flag("offload_optimizer"):
+            raise ConfigError("layer_swap with several processes needs offload_optimizer: true (the streamed optimizer "
+                              "reduces gradients itself; DistributedDataParallel cannot wrap swapped layers)")
         if self._swap.trainable_swapped and not self._flag("offload_optimizer"):
             raise ConfigError("layer_swap with trainable swapped layers (full finetune) needs offload_optimizer: true: "
                               "the streamed optimizer updates each swapped layer while it is on the GPU. (With LoRA "
@@ -364,14 +424,18 @@ class OffloadMixin:
                 offload_gradients=clip and self._resolved("offload_gradients"),
                 chunk_numel=self._flag("offload_chunk_numel"),
                 inflight_chunks=self._flag("offload_inflight_chunks"),
+                sharding=Sharding() if self._sharded() else None,
             )
             self._offload_opt.attach(model)
             if self._swap is not None:
                 self._offload_opt.set_residency(self._swap.touch)
+            self._offload_opt.sync_weights()  # data parallel: every rank starts from rank 0's weights
             self.optimizer = self._offload_opt
             mode = "after backward, clipped to max_grad_norm" if clip else "during backward (no clipping)"
-            logger.info("optimizer: AdamW, 8-bit states in %s memory, updates streamed %s",
-                        "pinned CPU" if self._offload_opt.device.type == "cuda" else "CPU", mode)
+            logger.info("optimizer: AdamW, 8-bit states in %s memory, updates streamed %s%s",
+                        "pinned CPU" if self._offload_opt.device.type == "cuda" else "CPU", mode,
+                        f"; data parallel over {self.args.world_size} ranks, each holding its share of the states"
+                        if self._sharded() else "")
         return self.optimizer
 
     def _clip_grad_norm(self, model):
@@ -405,7 +469,7 @@ class OffloadMixin:
         if guard and self._skip_step:  # a micro-batch of this step was non-finite: the whole step is skipped
             return torch.full((), float("nan"), device=self.args.device, requires_grad=True)
         loss = self._compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if guard and not torch.isfinite(loss).item():
+        if guard and not self._offload_opt.all_finite(loss):
             self._nonfinite_step()
             return torch.full((), float("nan"), device=loss.device, requires_grad=True)  # no backward into the model
         return loss
@@ -414,7 +478,7 @@ class OffloadMixin:
         chunk = self._flag("loss_chunk_size")
         parts = _head_and_decoder(self.accelerator.unwrap_model(model)) if chunk else None
         usable = (parts is not None and not return_outputs and "labels" in inputs and self.label_smoother is None
-                  and self.compute_loss_func is None and self.accelerator.num_processes == 1)
+                  and self.compute_loss_func is None)
         if not usable:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         decoder, head = parts
@@ -423,8 +487,12 @@ class OffloadMixin:
         hidden = decoder(**inputs)[0]
         if not self.model_accepts_loss_kwargs:
             num_items_in_batch = None  # as the Trainer does: the model's loss would be a per-batch mean
-        return chunked_causal_lm_loss(hidden, labels, head.weight, head.bias, chunk_size=chunk,
+        loss = chunked_causal_lm_loss(hidden, labels, head.weight, head.bias, chunk_size=chunk,
                                       num_items_in_batch=num_items_in_batch)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # as Trainer.compute_loss: num_items_in_batch counts every rank's tokens, gradients are averaged
+            loss = loss * self.accelerator.num_processes
+        return loss
 
     # -------------------------------------------------------------- weights read outside forward
     def _synchronize(self) -> None:
