@@ -215,6 +215,9 @@ class OffloadTrainingArguments(TrainingArguments):
             raise ValueError("activation_offload offloads the inputs that gradient checkpointing keeps: "
                              "set gradient_checkpointing: true as well")
         self.layer_swap = str(self.layer_swap).strip().lower()
+        # YAML reads a bare `off` / `on` as a boolean (1.1 rules), which the config turns into "false" / "true"
+        self.layer_swap = {"false": "off", "no": "off", "true": "auto", "on": "auto", "yes": "auto"}.get(
+            self.layer_swap, self.layer_swap)
         if self.layer_swap not in ("off", "auto") and not self.layer_swap.isdigit():
             raise ValueError(f"layer_swap={self.layer_swap!r}: use off, auto, or a number of decoder layers to keep "
                              f"on the GPU")

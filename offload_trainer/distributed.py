@@ -22,16 +22,17 @@ __all__ = ["Sharding", "assign_owners"]
 
 
 def assign_owners(numels: list[int], world_size: int) -> list[int]:
-    """Owner rank of each tensor: greedy, in order, to the rank holding the fewest values so far.
+    """Owner rank of each tensor: largest first, each to the rank holding the fewest values so far (so the
+    ranks differ by less than the largest tensor, and usually by far less: an embedding is placed first).
 
-    Deterministic (ties go to the lowest rank), so every rank computes the same map from the same list.
+    Deterministic (ties go to the earlier tensor and the lowest rank): every rank computes the same map.
     """
     load = [0] * world_size
-    owners = []
-    for n in numels:
+    owners = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
         r = min(range(world_size), key=lambda k: (load[k], k))
-        owners.append(r)
-        load[r] += n
+        owners[i] = r
+        load[r] += numels[i]
     return owners
 
 

@@ -86,3 +86,11 @@ def test_types_are_checked_as_declared_after_a_parse(tmp_path):
     parse_args(load_config(write(tmp_path, BASE.format(out=tmp_path))))
     cfg = load_config(write(tmp_path, f"model_name_or_path: {tmp_path}\nmodel_config: null\noutput_dir: {tmp_path}\n"))
     assert cfg["model_config"] is None
+
+
+def test_layer_swap_off_and_on_survive_yaml_booleans(tmp_path):
+    """YAML reads a bare `off` / `on` as booleans: `layer_swap: off` must still mean off (and `on`, auto)."""
+    base = BASE.format(out=tmp_path) + "gradient_checkpointing: true\n"
+    for text, want in (("off", "off"), ("on", "auto"), ("auto", "auto"), ("3", "3")):
+        _, _, targs = parse_args(load_config(write(tmp_path, base), [f"layer_swap={text}"]))
+        assert targs.layer_swap == want, (text, targs.layer_swap)
