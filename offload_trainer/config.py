@@ -13,6 +13,7 @@ import difflib
 import enum
 import functools
 import os
+import re
 import types
 import typing
 from typing import Any
@@ -90,6 +91,9 @@ def _admits_float(tp: Any) -> bool:
     return tp is float
 
 
+_WORD_BOOLS = {"yes": True, "on": True, "no": False, "off": False}
+
+
 def check_keys_and_types(cfg: dict[str, Any], source: str) -> None:
     """Raise ConfigError on an unknown key or a value of the wrong type (fixes '1e-4' in place: YAML 1.1
     reads exponent floats without a dot as strings)."""
@@ -103,6 +107,8 @@ def check_keys_and_types(cfg: dict[str, Any], source: str) -> None:
         if isinstance(value, str) and _admits_float(tp) and not _type_ok(value, tp):
             with contextlib.suppress(ValueError):
                 cfg[key] = value = float(value)
+        if isinstance(value, str) and value.lower() in _WORD_BOOLS and not _type_ok(value, tp) and _type_ok(True, tp):
+            cfg[key] = value = _WORD_BOOLS[value.lower()]  # bf16: yes
         if isinstance(value, bool) and not _type_ok(value, tp) and _type_ok("text", tp):
             cfg[key] = value = "true" if value else "false"  # resume_from_checkpoint: true
         if tp is str and isinstance(value, int) and not isinstance(value, bool):
@@ -110,6 +116,23 @@ def check_keys_and_types(cfg: dict[str, Any], source: str) -> None:
         if not _type_ok(value, tp):
             raise ConfigError(f"{source}: key {key!r} = {value!r} ({type(value).__name__}) has the wrong type; "
                               f"expected {_type_name(tp)}")
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.safe_load with YAML 1.2's booleans: only true / false. YAML 1.1 also reads yes/no/on/off as booleans,
+    which turned `save_strategy: no` and `layer_swap: off` into False."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _first in "tTfF":
+    _Loader.yaml_implicit_resolvers.setdefault(_first, []).insert(
+        0, ("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")))
+
+
+def _load(stream):
+    return yaml.load(stream, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -120,7 +143,7 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r} is not key=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw != "" else None
+            value = _load(raw) if raw != "" else None
         except yaml.YAMLError:
             value = raw
         out[key.strip()] = value
@@ -132,7 +155,7 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError(f"config file {path!r} does not exist")
     try:
         with open(path, encoding="utf-8") as f:
-            cfg = yaml.safe_load(f)
+            cfg = _load(f)
     except yaml.YAMLError as e:
         mark, ctx = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

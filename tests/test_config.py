@@ -89,8 +89,11 @@ def test_types_are_checked_as_declared_after_a_parse(tmp_path):
 
 
 def test_layer_swap_off_and_on_survive_yaml_booleans(tmp_path):
-    """YAML reads a bare `off` / `on` as booleans: `layer_swap: off` must still mean off (and `on`, auto)."""
+    """YAML 1.1 reads bare yes/no/on/off as booleans: `layer_swap: off` and `save_strategy: no` must keep their
+    meaning (the config reads YAML 1.2 booleans); a boolean key still takes yes/no/on/off."""
     base = BASE.format(out=tmp_path) + "gradient_checkpointing: true\n"
     for text, want in (("off", "off"), ("on", "auto"), ("auto", "auto"), ("3", "3")):
         _, _, targs = parse_args(load_config(write(tmp_path, base), [f"layer_swap={text}"]))
         assert targs.layer_swap == want, (text, targs.layer_swap)
+    _, _, targs = parse_args(load_config(write(tmp_path, base), ["save_strategy=no", "bf16=no", "fp16=off"]))
+    assert getattr(targs.save_strategy, "value", targs.save_strategy) == "no" and targs.bf16 is False
