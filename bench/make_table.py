@@ -13,7 +13,7 @@ def planner_table(rows) -> None:
     print("|" + " --- |" * 8)
     for r in rows:
         p = r.get("predicted")
-        if not p:
+        if not p or r["gpus"] > 1 or not r["gpu_cap_gib"]:  # the planner plans one capped GPU
             continue
         act = "yes" if r.get("extra", {}).get("activation_offload") else "no"
         if not p.get("fits", True):
@@ -46,6 +46,8 @@ def main(paths: list[str]) -> None:
         if "resident_layers" in e:
             note = (f"{e['resident_layers']}/{e['layers']} layers resident, {e['layers'] - e['resident_layers']} "
                     f"swapped, layer stall {e.get('layer_stall_ms', '-')} ms; ") + note
+        if r["gpus"] > 1:
+            note = f"{r['gpus']} GPUs, data parallel, per GPU {r['micro_batch']} x {r['seq_len']}; " + note
         if r["system"] == "native_8bit":
             note = "torchao AdamW8bit on the GPU (fp32 AdamW states do not fit 139 GiB); " + note
         if r["system"].endswith("noclip"):
@@ -59,6 +61,33 @@ def main(paths: list[str]) -> None:
               f"{r['peak_reserved_gib']} | {r['host_peak_gib']} | {r['pinned_gib'] or '-'} | "
               f"{e.get('gpu_idle_ms', '-')} | {note} |")
     planner_table(rows)
+    data_parallel_table(rows)
+
+
+def data_parallel_table(rows) -> None:
+    """Rows on several GPUs against the 1-GPU row of the same run, system, shape and micro-batch."""
+    multi = [r for r in rows if r["gpus"] > 1]
+    if not multi:
+        return
+    one = {(r["run_id"], r["model"], r["system"], r["seq_len"], r["micro_batch"]): r for r in rows if r["gpus"] == 1}
+    print("\n| run | commit | model | system | GPUs | GPU cap | micro-batch x accum x seq | tokens/step | tok/s | "
+          "vs 1 GPU | peak reserved GiB (max rank) | host peak GiB (node) | pinned GiB (node) | pinned GiB per rank | "
+          "note |")
+    print("|" + " --- |" * 15)
+    for r in sorted(rows, key=lambda r: (r["run_id"], r["model"], r["system"], r["gpus"])):
+        base = one.get((r["run_id"], r["model"], r["system"], r["seq_len"], r["micro_batch"]))
+        if r["gpus"] == 1 and not any(m["run_id"] == r["run_id"] for m in multi):
+            continue
+        e = r.get("extra", {})
+        ratio = f"{r['tok_per_s'] / base['tok_per_s']:.2f}x" if r["gpus"] > 1 and base and r["tok_per_s"] else "-"
+        per_rank = " / ".join(f"{x['pinned']}" for x in e.get("per_rank", [])) or "-"
+        match = e.get("loss_match_vs_1gpu")
+        note = (f"losses vs 1 GPU over {match['steps']} steps: max rel. diff {match['max_rel_diff']:.1e}"
+                if match else "")
+        cap = f"{r['gpu_cap_gib']:g}" if r["gpu_cap_gib"] else "-"
+        print(f"| {r['run_id']} | {r['commit']} | {r['model']} | {r['system']} | {r['gpus']} | {cap} | "
+              f"{r['micro_batch']} x {r['grad_accum']} x {r['seq_len']} | {r['tokens_per_step']} | {r['tok_per_s']} | "
+              f"{ratio} | {r['peak_reserved_gib']} | {r['host_peak_gib']} | {r['pinned_gib']} | {per_rank} | {note} |")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """offload_trainer: full-finetune LLMs on one small GPU.
 
 The mechanisms import torch (and torchao) only and work from a bare training loop:
-`StreamedAdamW8bit` (optim.py), `LayerSwap` (swap.py), `ActivationOffloader` (activations.py),
+`StreamedAdamW8bit` (optim.py), `LayerSwap` (swap.py), `Sharding` (distributed.py, data parallel),
+`ActivationOffloader` (activations.py),
 `chunked_causal_lm_loss` (loss.py), `plan` (planner.py). The Trainer shell
 (`OffloadTrainer`, `OffloadTrainingArguments`) is loaded on first use, so importing a
 mechanism does not import transformers.
@@ -18,6 +19,7 @@ __all__ = [
     "chunked_causal_lm_loss",
     "forward_units",
     "LayerSwap",
+    "Sharding",
     "ActivationOffloader",
     "plan",
     "CheckpointError",
@@ -34,6 +36,7 @@ _WHERE = {
     "forward_units": "optim",
     "chunked_causal_lm_loss": "loss",
     "LayerSwap": "swap",
+    "Sharding": "distributed",
     "ActivationOffloader": "activations",
     "plan": "planner",
     "CheckpointError": "errors",

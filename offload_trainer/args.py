@@ -27,6 +27,16 @@ def offload_conflict(args) -> str | None:
             f"offload_optimizer: false")
 
 
+def several_gpus_conflict(args) -> str | None:
+    """Why one process cannot drive the GPUs it sees (the Trainer's DataParallel mode), or None."""
+    if args is None or not getattr(args, "offload_optimizer", True) or args.n_gpu <= 1:
+        return None
+    n = args.n_gpu
+    return (f"{n} GPUs are visible to this one process, where the Trainer would use torch.nn.DataParallel; the "
+            f"offloaded optimizer works one process per GPU. For data parallel launch `torchrun --nproc_per_node {n} "
+            f"...`; for one GPU set CUDA_VISIBLE_DEVICES=0.")
+
+
 def checkpointing_on(args) -> bool:
     """Gradient checkpointing is on (transformers 5.x calls it `activation_checkpointing`; older: `gradient_...`)."""
     return bool(getattr(args, "gradient_checkpointing", False) or getattr(args, "activation_checkpointing", False))

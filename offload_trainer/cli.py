@@ -11,6 +11,7 @@ import os
 import sys
 import textwrap
 
+from .args import several_gpus_conflict
 from .config import ConfigError, load_config, parse_args, valid_fields
 from .data import DataError
 from .errors import CheckpointError, TrainingInterrupted, TrainingStopped
@@ -55,6 +56,9 @@ def train(config: str, overrides: list[str]) -> str:
     """Train from a YAML config; returns the output directory."""
     cfg = load_config(config, overrides)  # every check that needs no model happens here
     model_args, data_args, training_args = parse_args(cfg)
+    conflict = several_gpus_conflict(training_args)
+    if conflict:  # before any weight is loaded
+        raise ConfigError(conflict)
     if training_args.offload_optimizer or model_args.lora_r:
         make_plan(model_args, data_args, training_args)  # refuses a plan that cannot fit, before any weights
 

@@ -27,7 +27,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .activations import enable_activation_offload
-from .args import OffloadTrainingArguments, checkpointing_on, offload_conflict
+from .args import OffloadTrainingArguments, checkpointing_on, offload_conflict, several_gpus_conflict
 from .checkpoint import (STAGING_PREFIX, check_checkpoint, check_disk, clean_staging, load_optimizer_states,
                          newest_complete_checkpoint, optimizer_shard_name, publish)
 from .config import ConfigError
@@ -95,12 +95,9 @@ class OffloadMixin:
         conflict = offload_conflict(training_args)  # a plain TrainingArguments was not checked yet
         if conflict:
             raise ConfigError(conflict)
-        if getattr(training_args, "offload_optimizer", True) and training_args is not None and training_args.n_gpu > 1:
-            n = training_args.n_gpu
-            raise ConfigError(f"{n} GPUs are visible to this one process, where the Trainer would use "
-                              f"torch.nn.DataParallel; the offloaded optimizer works one process per GPU. For data "
-                              f"parallel launch `torchrun --nproc_per_node {n} ...`; for one GPU set "
-                              f"CUDA_VISIBLE_DEVICES=0.")
+        conflict = several_gpus_conflict(training_args)
+        if conflict:
+            raise ConfigError(conflict)
         apply_gpu_memory_limit(getattr(training_args, "gpu_memory_limit_gb", None))
         super().__init__(*args, **kwargs)
         self._offload_opt: StreamedAdamW8bit | None = None

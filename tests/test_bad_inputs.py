@@ -209,6 +209,14 @@ def test_gpu_limit_without_cuda(tmp_path, capsys, monkeypatch):
     expect(Case(tmp_path, "gpu_memory_limit_gb: 24\n"), capsys, 2, "caps GPU memory, but PyTorch sees no CUDA GPU")
 
 
+def test_several_gpus_one_process(tmp_path, capsys, monkeypatch, no_model_load):
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))  # what a 2-GPU machine reports
+    expect(Case(tmp_path), capsys, 2, "2 GPUs are visible to this one process", "torchrun --nproc_per_node 2",
+           "CUDA_VISIBLE_DEVICES=0")
+
+
 def test_gpu_too_small(tmp_path, capsys, no_model_load):
     expect(Case(tmp_path, "model_config: llama3-8b\nmodel_overrides: {}\ngpu_memory_limit_gb: 4\n"
                           "max_seq_length: 2048\n"), capsys, 2,
