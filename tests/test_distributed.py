@@ -218,6 +218,17 @@ def test_two_gpus_match_one_gpu_accumulating(tmp_path, mode):
     assert rel <= 1e-6, rel
 
 
+def test_trainer_two_processes_lora(tmp_path):
+    """LoRA adapters (the only trainable tensors) sharded over 2 processes: the same losses as one process."""
+    from offload_trainer.cli import main
+
+    lora = ["lora_r=8", "max_steps=3", "save_strategy=no"]
+    assert "data parallel over 2 ranks" in torchrun(tmp_path / "two", *lora)
+    assert main(["train", "configs/tiny-cpu.yaml", f"output_dir={tmp_path / 'one'}", *KEYS, *lora,
+                 "gradient_accumulation_steps=2"]) == 0
+    want = _losses(tmp_path / "one")
+    assert _losses(tmp_path / "two") == want and len(want) == 3
+
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("swap", ["off", "1"])
