@@ -37,7 +37,7 @@ from .loss import chunked_causal_lm_loss
 from .optim import StreamedAdamW8bit
 from .planner import Plan, PlanError, plan_from_args
 from .swap import LayerSwap
-from .sysinfo import rss_gib
+from .sysinfo import rss_gib, trim_host_memory
 
 logger = logging.getLogger("offload_trainer")
 @functools.lru_cache(maxsize=None)
@@ -521,6 +521,7 @@ class OffloadMixin:
             now = time.perf_counter()
             dt = max(now - self._last_log_time, 1e-9)
             logs["tok_per_s"] = round(self._tokens_since_log / dt, 1)
+            trim_host_memory()
             rss = rss_gib()
             if rss is not None:
                 logs["host_rss_gib"] = round(rss, 3)
