@@ -216,6 +216,7 @@ def test_gpu_logs_show_pcie_pinned_and_stall_with_layer_swap(tmp_path):
                                     learning_rate=3e-3, gradient_checkpointing=True, layer_swap="2",
                                     activation_offload=True, max_grad_norm=0.0, logging_steps=2,
                                     save_strategy="no", report_to="none")
+    args._n_gpu = min(args.n_gpu, 1)  # one GPU, as CUDA_VISIBLE_DEVICES=0 would give on a machine with several
     trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
