@@ -286,8 +286,6 @@ def per_node(row: dict, opt, swap) -> dict:
     (collected into rank 0's row; each rank's own in extra)."""
     import torch.distributed as dist
 
-    from offload_trainer.sysinfo import peak_rss_gib
-
     mine = dict(rss=peak_rss_gib() or 0.0, pinned=pinned_bytes(opt, swap) / 2**30,
                 reserved=torch.cuda.max_memory_reserved() / 2**30, alloc=torch.cuda.max_memory_allocated() / 2**30,
                 error=row["error"])

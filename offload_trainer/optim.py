@@ -361,7 +361,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             if ready is None:  # another rank owns p: its new weights come from there
                 if self.update_in_backward:
                     self._plan.updated.add(p)
-                    self._publish(p, S.record(S.compute()))
+                    self._publish(p)
                 return
         else:
             ready = S.record(S.compute())
@@ -370,7 +370,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if self.update_in_backward:
             self._update_param(p, ready)
             self._plan.updated.add(p)
-            self._publish(p, S.record(S.update))
+            self._publish(p)
         elif self.offload_gradients and p in self._offset:
             self._offload_grad(p, ready)
 
@@ -390,18 +390,19 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             return None
         return S.record(S.reduced)
 
-    def _publish(self, p: Tensor, after) -> None:
-        """`p` is final for this step once `after`: with data parallel, broadcast it from its owner (every rank
-        calls this for every reduced tensor, in the same order); then mark its unit's next forward ready.
+    def _publish(self, p: Tensor) -> None:
+        """`p`'s update is queued: with data parallel, broadcast it from its owner (every rank calls this for every
+        reduced tensor, in the same order); then mark its unit's next forward ready.
 
-        On a non-owner `after` is the compute stream at the gradient hook: kernels of this backward that still
-        read `p` (e.g. the input gradient of its layer) are queued before it, so they read the old weights."""
+        The broadcast waits for the owner's update stream, and on a non-owner for the compute stream as it is now
+        (at the gradient hook, or in `step()` after backward): kernels of this backward that still read `p` (e.g.
+        the input gradient of its layer) are queued before it, so they read the old weights."""
         S = self._streams
         if self._shard is None:
             self._record_unit_done(p, S.update)
             return
         with self._residency(p, S.published):  # a swapped layer: receive into (or send from) its GPU slot
-            S.published.wait_event(after)
+            S.published.wait_stream(S.update if self._owns(p) else S.compute())
             with S.on(S.published):
                 self._shard.broadcast(p.detach(), self._owner[p]).wait()
         self._record_unit_done(p, S.published)
@@ -541,7 +542,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def _gather_norms(self, own: dict) -> dict:
         """Every rank gets every reduced tensor's norm (each owner measured its own), in model order, so the
         global norm is computed from the same values in the same order as on one GPU: the same bits."""
-        ordered = [p for p in self._norm_order if p in set(self._plan.reduced)]
+        reduced = set(self._plan.reduced)
+        ordered = [p for p in self._norm_order if p in reduced]
         if not ordered:
             return {}
         zero = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -584,7 +586,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             for p in pending:
                 if self._owns(p):
                     self._update_param(p, self._plan.host_grad_ready.get(p, grads_final))
-                self._publish(p, S.record(S.update) if self._owns(p) else grads_final)
+                self._publish(p)
         self._finish_step()
         return loss
 
