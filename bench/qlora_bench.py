@@ -8,6 +8,11 @@ layer-swap engine keeps N layers on the GPU and the rest (4-bit weights + quanti
 memory; the cap is set after the swapped layers left the GPU and the peak counters are reset. Without
 --resident, everything stays on the (uncapped) GPU: the reference. LoRA r=16 (alpha 32) on all linear layers,
 torch AdamW (fused) on the adapters, non-reentrant checkpointing, chunked loss. One JSON row per run.
+
+Vision-language shapes (--model llama3.2-90b-vision, `MllamaForConditionalGeneration`): the vision encoder's
+linears are NF4 too and stay on the GPU; LoRA goes on the language model's linears only; the decoder's
+self- and cross-attention layers are swapped alike. Every sequence carries one random 4-tile image
+(560 x 560 each), which the cross-attention layers read.
 """
 from __future__ import annotations
 
@@ -40,12 +45,15 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
 
     from offload_trainer.loss import chunked_causal_lm_loss
-    from offload_trainer.models import architecture_config, random_init_4bit
+    from offload_trainer.models import architecture_config, layer_lists, random_image_text_batch, random_init_4bit
     from offload_trainer.swap import LayerSwap
 
     cfg = architecture_config(a.model)
-    cfg._attn_implementation = "sdpa"
-    cfg.use_cache = False
+    vision = getattr(cfg, "vision_config", None) is not None
+    text_cfg = cfg.get_text_config()
+    for c in {id(x): x for x in (cfg, text_cfg, getattr(cfg, "vision_config", None)) if x is not None}.values():
+        c._attn_implementation = "sdpa"
+    text_cfg.use_cache = cfg.use_cache = False
     system = "qlora_swap" if a.resident is not None else "qlora_native"
     row = dict(run_id=a.run_id, commit=os.environ.get("COMMIT", "unknown"),
                machine=f"{torch.cuda.get_device_name(0)} x1, {os.cpu_count()} cores", model=a.model,
@@ -57,7 +65,10 @@ def main() -> None:
         torch.manual_seed(0)
         t0 = time.perf_counter()
         model = random_init_4bit(cfg, "cuda")
-        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+        targets = (r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)" if vision
+                   else "all-linear")
+        lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets,
+                          task_type=None if vision else "CAUSAL_LM")
         model = get_peft_model(model, lora)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -68,8 +79,8 @@ def main() -> None:
         row["extra"]["trainable_params"] = sum(p.numel() for p in trainable)
         swap = None
         if a.resident is not None:
-            swap = LayerSwap(inner.model.layers, "cuda", resident=a.resident, prefetch=a.prefetch)
-            row["extra"].update(resident_layers=a.resident, layers=cfg.num_hidden_layers, prefetch=a.prefetch)
+            swap = LayerSwap(layer_lists(inner)[0], "cuda", resident=a.resident, prefetch=a.prefetch)
+            row["extra"].update(resident_layers=a.resident, layers=text_cfg.num_hidden_layers, prefetch=a.prefetch)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         if a.cap:
@@ -78,9 +89,12 @@ def main() -> None:
         opt = torch.optim.AdamW(trainable, lr=1e-4, fused=True)
 
         def step():
-            x = torch.randint(0, cfg.vocab_size, (a.bs, a.seq), device="cuda")
-            h = inner.model(input_ids=x)[0]
-            loss = chunked_causal_lm_loss(h, x, inner.lm_head.weight, chunk_size=1024)
+            if vision:
+                batch = random_image_text_batch(cfg, a.bs, a.seq, "cuda")
+            else:
+                batch = dict(input_ids=torch.randint(0, cfg.vocab_size, (a.bs, a.seq), device="cuda"))
+            h = inner.model(**batch)[0]
+            loss = chunked_causal_lm_loss(h, batch["input_ids"], inner.lm_head.weight, chunk_size=1024)
             loss.backward()
             opt.step()
             opt.zero_grad()

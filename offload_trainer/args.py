@@ -130,10 +130,12 @@ class OffloadTrainingArguments(TrainingArguments):
     )
     offload_gradients: bool | None = field(
         default=None,
-        metadata={"help": "With max_grad_norm > 0 the update must wait for the global norm: keep the gradients "
-                          "in pinned CPU memory meanwhile (saves 2 bytes/param of GPU memory, costs 4 bytes/param "
-                          "of PCIe traffic per step; needed for 8B on 24 GiB). Unset: the planner decides when "
-                          "gpu_memory_limit_gb is given, else off."},
+        metadata={"help": "Gradients that must wait -- for the global norm (max_grad_norm > 0), or for the next "
+                          "micro-batch (gradient_accumulation_steps > 1, summed there) -- wait in pinned CPU memory "
+                          "(saves 2 bytes/param of GPU memory, costs 4 bytes/param of PCIe traffic per step, and per "
+                          "micro-batch when accumulating; needed for 8B on 24 GiB). Unset: the planner decides when "
+                          "gpu_memory_limit_gb is given; else on when accumulating with swapped trained layers, off "
+                          "otherwise."},
     )
     activation_offload: bool | None = field(
         default=None,

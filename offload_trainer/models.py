@@ -29,6 +29,30 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama3-70b": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
                        max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False),
+    # Llama-3.2-90B-Vision (MllamaForConditionalGeneration): a 100-layer language model (80 self-attention layers
+    # as Llama-3-70B's, 20 cross-attention layers reading the image) and a 40-layer vision encoder.
+    "llama3.2-90b-vision": dict(
+        model_type="mllama",
+        text_config=dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=100, num_attention_heads=64,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=8192),
+                         cross_attention_layers=list(range(3, 100, 5)), tie_word_embeddings=False),
+        vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_global_layers=8,
+                           attention_heads=16, image_size=560, patch_size=14, max_num_tiles=4,
+                           vision_output_dim=7680, intermediate_layers_indices=[3, 7, 15, 23, 30])),
+    # the same structure, small enough for CPU tests
+    "tiny-mllama": dict(
+        model_type="mllama",
+        text_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=5, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=2048,
+                         cross_attention_layers=[1, 3], tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0),
+        image_token_index=512,
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_global_layers=1,
+                           attention_heads=4, image_size=28, patch_size=14, max_num_tiles=4,
+                           vision_output_dim=192, intermediate_layers_indices=[0, 1])),
 }
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -101,45 +125,96 @@ def load_model(model_args, *, gradient_checkpointing: bool = False):
     return model
 
 
+def model_class(config):
+    """The transformers auto class that builds a trainable LM for `config`: the image-text model for
+    vision-language configs (e.g. Mllama), else the causal LM."""
+    import transformers
+
+    if getattr(config, "vision_config", None) is not None:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
+def layer_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
+    """The stacks of repeated blocks (ModuleLists whose items hold linear layers): the decoder layers, and a
+    vision encoder's layers. Largest first."""
+    from torch import nn
+
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
+             and all(any(isinstance(c, nn.Linear) for c in item.modules()) for item in m)]
+    return sorted(lists, key=len, reverse=True)
+
+
 def random_init_4bit(cfg, device: str = "cuda", park: str | None = None):
-    """A random-init causal LM whose decoder linears are bitsandbytes NF4 (`Linear4bit`), built one layer at
-    a time on `device` from the meta device: a 70B shape needs one layer in bf16 at a time, never 140 GB.
+    """A random-init model whose block linears are bitsandbytes NF4 (`Linear4bit`), built one block at a time
+    on `device` from the meta device: a 70B shape needs one layer in bf16 at a time, never 140 GB.
     For benchmarks and tests of QLoRA on big shapes (`peft.get_peft_model` then picks its 4-bit LoRA layers).
-    `park`: where each quantized layer goes once built (e.g. "cpu", for a base bigger than the GPU)."""
+    Causal LMs and vision-language models (Mllama: decoder and vision encoder layers are quantized; embeddings,
+    heads and the projector stay bf16, as `BitsAndBytesConfig` leaves them). Initialised by the model's own
+    `_init_weights`, except that the cross-attention gates (zero at init, which would cut the image off) are set
+    to 0.1. `park`: where each decoder layer goes once built (e.g. "cpu", for a base bigger than the GPU)."""
     import bitsandbytes as bnb
     from torch import nn
-    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    for mod in (model.model.embed_tokens, model.model.norm, model.lm_head):
-        mod.to_empty(device=device)
-    nn.init.normal_(model.model.embed_tokens.weight, std=0.02)
-    nn.init.normal_(model.lm_head.weight, std=0.02)
-    nn.init.ones_(model.model.norm.weight)
-    with torch.device(device):  # inv_freq is computed, not loaded: build it anew off the meta device
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=cfg)
-    for layer in model.model.layers:
-        layer.to_empty(device=device)
-        for m in layer.modules():
-            if "RMSNorm" in type(m).__name__:
-                nn.init.ones_(m.weight)
-        for parent in list(layer.modules()):
-            for name, child in list(parent.named_children()):
-                if type(child) is not nn.Linear:
-                    continue
-                w = torch.randn(child.out_features, child.in_features, device=device, dtype=torch.bfloat16) * 0.02
-                q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=False,
-                                      compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
-                q.weight = bnb.nn.Params4bit(w, requires_grad=False, quant_type="nf4", module=q)
-                setattr(parent, name, q.to(device))  # quantizes on the GPU
-                del w
-        if park is not None and park != device:
-            layer.to(park)
+        model = model_class(cfg).from_config(cfg, dtype=torch.bfloat16)
+    blocks = layer_lists(model)
+    in_blocks = {id(m) for stack in blocks for layer in stack for m in layer.modules()}
+
+    @torch.no_grad()
+    def materialise(m: nn.Module) -> None:
+        m.to_empty(device=device, recurse=False)
+        model._init_weights(m)
+        if "RotaryEmbedding" in type(m).__name__:  # inv_freq is computed at construction, not initialised
+            with torch.device(device):
+                fresh = type(m)(config=m.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                getattr(m, name).copy_(buf)
+        for name, gate in m.named_parameters(recurse=False):
+            if name.startswith("cross_attn_") and name.endswith("_gate"):
+                gate.fill_(0.1)
+
+    for m in model.modules():
+        if id(m) not in in_blocks:
+            materialise(m)
+    decoder = blocks[0]
+    for stack in blocks:
+        for layer in stack:
+            for m in layer.modules():
+                materialise(m)
+            for parent in list(layer.modules()):
+                for name, child in list(parent.named_children()):
+                    if type(child) is not nn.Linear:
+                        continue
+                    q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                          compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+                    q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4", module=q)
+                    if child.bias is not None:
+                        q.bias = nn.Parameter(child.bias.data, requires_grad=False)
+                    setattr(parent, name, q.to(device))  # quantizes on the GPU
+            if park is not None and park != device and stack is decoder:
+                layer.to(park)
     model.is_loaded_in_4bit = True  # peft picks its bitsandbytes LoRA layers from this flag
     for p in model.parameters():
         p.requires_grad_(False)
     return model
+
+
+def random_image_text_batch(cfg, batch: int, seq: int, device="cpu", generator=None) -> dict:
+    """Random inputs for an Mllama-style model: one image of `max_num_tiles` tiles per sequence (the image token
+    first, every text token attending to every tile), for benchmarks and tests. Labels are the input ids."""
+    vc, tc = cfg.vision_config, cfg.text_config
+    tiles = vc.max_num_tiles
+    ids = torch.randint(0, tc.vocab_size, (batch, seq), generator=generator)
+    ids[:, 0] = cfg.image_token_index
+    pixels = torch.randn(batch, 1, tiles, vc.num_channels, vc.image_size, vc.image_size, generator=generator)
+    ratios = [list(r) for r in vc.supported_aspect_ratios]
+    square = next(r for r in ratios if r[0] * r[1] == tiles)  # e.g. 2 x 2 tiles
+    out = dict(input_ids=ids, pixel_values=pixels.to(torch.bfloat16),
+               aspect_ratio_ids=torch.full((batch, 1), ratios.index(square) + 1),
+               aspect_ratio_mask=torch.ones(batch, 1, tiles, dtype=torch.long),
+               cross_attention_mask=torch.ones(batch, seq, 1, tiles, dtype=torch.long))
+    return {k: v.to(device) for k, v in out.items()}
 
 
 def _load_4bit(model_args, dtype):

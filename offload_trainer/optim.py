@@ -11,7 +11,12 @@ When the updates happen:
   possible: the global norm is not known yet). Each gradient is freed once its update has read it.
 - `update_in_backward=False` (needed for clipping by global norm): gradients wait until `step()`;
   with `offload_gradients=True` they wait in pinned host memory (copied out during backward), so the
-  full gradient set never sits on the GPU. `clip_grad_norm_` then scales them exactly as
+  full gradient set never sits on the GPU.
+- Gradient accumulation (backward passes inside `no_update()`): with `offload_gradients=True` the running
+  sum of each big tensor's gradient waits in the same pinned host buffer between micro-batches (each new
+  gradient is added to it on the GPU, on the H2D stream, and copied back), so accumulating never keeps
+  the gradient set on the GPU either -- whichever `update_in_backward` is. Without it, gradients
+  accumulate on the device as usual. `clip_grad_norm_` then scales them exactly as
   `torch.nn.utils.clip_grad_norm_` would, and `step()` streams the updates in forward order; with
   `attach(model)` the next forward overlaps them, each layer waiting only for its own update.
 
@@ -124,6 +129,8 @@ class _StepPlan:
 
     norms: dict = field(default_factory=dict)  # param -> grad norm (0-dim tensor)
     host_grad_ready: dict = field(default_factory=dict)  # param -> event: grad copied to host
+    merged: object = None  # event: the last host-accumulated sum was added into a device gradient (H2D stream)
+    merged_params: set = field(default_factory=set)  # params whose gradient was made so, on the H2D stream
     updated: set = field(default_factory=set)  # params already updated in this backward
     reduced: list = field(default_factory=list)  # data parallel: params whose gradient was reduced, in order
     clip_coef: Tensor | None = None
@@ -198,6 +205,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._norm_order = self._params
         self._prev_d2h_done = None  # event: the last step's copy-backs finished (host states final)
         self._prev_h2d_done = None  # event: the last step's host gradients were read
+        self._host_sum: dict[Tensor, object] = {}  # param -> event: its accumulated gradient landed on the host
         self._residency = _always_resident
         self._skip = False
         self.stall = StallMeter(self._streams)  # forward waiting for a layer's update
@@ -352,10 +360,15 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     # ------------------------------------------------------------------ backward hooks
     @torch.no_grad()
     def _on_grad_ready(self, p: Tensor) -> None:
-        if self._accumulating or p.grad is None:
+        if p.grad is None:
+            return
+        if self._accumulating:
+            if self._accumulates_on_host(p):
+                self._stash_grad(p)
             return
         self._ensure_states()
         S = self._streams
+        merged = self._add_host_sum(p, S.record(S.compute()))
         if self._shard is not None:
             ready = self._reduce(p)
             if ready is None:  # another rank owns p: its new weights come from there
@@ -364,15 +377,72 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                     self._publish(p)
                 return
         else:
-            ready = S.record(S.compute())
+            ready = merged
             if self.update_in_backward or (self.offload_gradients and p in self._offset):
-                self._plan.norms[p] = _grad_norm(p.grad)
+                with S.on(S.h2d) if p in self._plan.merged_params else contextlib.nullcontext():
+                    self._plan.norms[p] = _grad_norm(p.grad)  # on the stream that made the gradient
         if self.update_in_backward:
             self._update_param(p, ready)
             self._plan.updated.add(p)
             self._publish(p)
         elif self.offload_gradients and p in self._offset:
-            self._offload_grad(p, ready)
+            self._plan.host_grad_ready[p] = self._offload_grad(p, ready)
+
+    # ------------------------------------------------------------------ gradient accumulation on the host
+    def _accumulates_on_host(self, p: Tensor) -> bool:
+        # NOTE: data parallel reduces once per step, after the last micro-batch: each rank's partial sums stay
+        # on its device meanwhile.
+        if not self.offload_gradients or self._shard is not None:
+            return False
+        self._ensure_states()
+        return p in self._offset
+
+    def _stash_grad(self, p: Tensor) -> None:
+        """A micro-batch before the last: add `p.grad` to its running sum in pinned host memory, free it."""
+        S = self._streams
+        ready = self._add_host_sum(p, S.record(S.compute()))
+        self._host_sum[p] = self._offload_grad(p, ready)
+
+    def _add_host_sum(self, p: Tensor, grad_ready):
+        """If earlier micro-batches left a sum of `p`'s gradients on the host, `p.grad` becomes that sum plus
+        `p.grad`, computed on the H2D stream (the compute stream never waits for it). Returns the event after
+        which `p.grad` is final. The addition is autograd's own (old + new, in the gradient's dtype): the
+        same bits as accumulating on the device."""
+        host_ready = self._host_sum.pop(p, None)
+        if host_ready is None:
+            return grad_ready
+        S, grad = self._streams, p.grad
+        off, n = self._offset[p], p.numel()
+        S.h2d.wait_event(host_ready)
+        with S.on(S.h2d):
+            total = torch.empty_like(grad)
+            total.view(-1).copy_(self._host_grads[off:off + n], non_blocking=True)
+            S.h2d.wait_event(grad_ready)
+            total.add_(grad)
+        S.keep_alive(grad, S.h2d)
+        S.keep_alive(total, S.compute())  # clipping scales it in place on the compute stream
+        self.stats["h2d_bytes"] += n * grad.element_size()
+        p.grad = total
+        self._plan.merged_params.add(p)
+        self._plan.merged = S.record(S.h2d)
+        return self._plan.merged
+
+    def _flush_host_sums(self) -> None:
+        """After backward: a tensor that got no gradient in the last micro-batch still has its sum on the host.
+        Bring it back as its gradient (the compute stream waits for every host sum added this step)."""
+        S = self._streams
+        for p, host_ready in list(self._host_sum.items()):
+            self._host_sum.pop(p)
+            off, n = self._offset[p], p.numel()
+            S.h2d.wait_event(host_ready)
+            with S.on(S.h2d):
+                g = torch.empty(p.shape, dtype=self._host_grads.dtype, device=self.device)
+                g.view(-1).copy_(self._host_grads[off:off + n], non_blocking=True)
+            S.keep_alive(g, S.compute())
+            p.grad = g
+            self._plan.merged = S.record(S.h2d)
+        if self._plan.merged is not None:
+            S.compute().wait_event(self._plan.merged)
 
     def _reduce(self, p: Tensor):
         """Queue the mean over ranks of `p.grad` onto `p`'s owner. On the owner: returns the event after which
@@ -407,7 +477,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 self._shard.broadcast(p.detach(), self._owner[p]).wait()
         self._record_unit_done(p, S.published)
 
-    def _offload_grad(self, p: Tensor, grad_ready) -> None:
+    def _offload_grad(self, p: Tensor, grad_ready):
+        """Queue the copy of `p.grad` into its slice of the pinned host buffer; frees it. Returns the event."""
         S = self._streams
         S.d2h.wait_event(grad_ready)
         if self._prev_h2d_done is not None:  # the host buffer still holds last step's grads until read
@@ -417,9 +488,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         with S.on(S.d2h):
             self._host_grads[off:off + n].copy_(p.grad.view(-1), non_blocking=True)
         S.keep_alive(p.grad, S.d2h)
-        self._plan.host_grad_ready[p] = S.record(S.d2h)
         self.stats["d2h_bytes"] += n * p.grad.element_size()
         p.grad = None
+        return S.record(S.d2h)
 
     def _record_unit_done(self, p: Tensor, stream) -> None:
         unit = self._unit_of.get(p)
@@ -515,6 +586,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 "max_grad_norm to 0 / inf."
             )
         S = self._streams
+        self._flush_host_sums()
         if self._shard is not None:
             S.compute().wait_stream(S.reduced)  # gradients reduced onto their owners, and their norms
         norms = {}
@@ -567,9 +639,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             for p in self._params:
                 p.grad = None
             self._plan = _StepPlan()
+            self._host_sum.clear()
             return loss
         self._ensure_states()
         S = self._streams
+        self._flush_host_sums()
         if self._shard is not None:
             S.compute().wait_stream(S.reduced)  # owners' gradients are reduced
         grads_final = S.record(S.compute())  # after backward and any in-place clipping
@@ -605,6 +679,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         self._plan = _StepPlan()
+        self._host_sum.clear()  # gradients accumulated on the host are dropped with the others
 
     def synchronize(self) -> None:
         """Block until every queued copy and update is done (before reading weights or states on the host)."""

@@ -48,15 +48,19 @@ class ModelShape:
     vocab: int
     tied: bool = False
     qkv_bias: bool = False
+    vision_linear: int = 0  # a vision encoder's linear weights (quantized with the decoder's under 4-bit)
+    vision_other: int = 0  # its embeddings, norms and biases, and the projector into the language model
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShape":
         text = getattr(cfg, "text_config", None) or cfg
+        vision = getattr(cfg, "vision_config", None)
         return cls(hidden=text.hidden_size, intermediate=text.intermediate_size, layers=text.num_hidden_layers,
                    heads=text.num_attention_heads, kv_heads=getattr(text, "num_key_value_heads", None)
                    or text.num_attention_heads, vocab=text.vocab_size,
-                   tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-                   qkv_bias=getattr(text, "model_type", "") == "qwen2")
+                   tied=bool(getattr(text, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))),
+                   qkv_bias=getattr(text, "model_type", "") == "qwen2",
+                   **(_mllama_vision(vision, text.hidden_size) if vision is not None else {}))
 
     @property
     def kv_dim(self) -> int:
@@ -82,7 +86,22 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        return self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+        return (self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+                + self.vision_linear + self.vision_other)
+
+
+def _mllama_vision(vc, text_hidden: int) -> dict:
+    """Parameters of an Mllama (Llama-3.2-Vision) vision encoder and projector, from its config."""
+    h, inter, n_global = vc.hidden_size, vc.intermediate_size, getattr(vc, "num_global_layers", 0)
+    n_layers = vc.num_hidden_layers + n_global
+    patches = (vc.image_size // vc.patch_size) ** 2 + 1  # + the class token
+    tiles, ratio_ids = vc.max_num_tiles, len(vc.supported_aspect_ratios) + 1
+    other = (n_layers * (inter + h + 4 * h) + 2 * n_global  # fc biases, two LayerNorms per layer; global gates
+             + 3 * vc.patch_size ** 2 * h + h + patches * h + 1  # patch conv, class token, positions (gated)
+             + ratio_ids * tiles * patches * h  # per-tile position embedding, by aspect ratio
+             + 2 * (ratio_ids * tiles * h + 1) + 4 * h  # pre/post tile embeddings (gated), pre/post LayerNorms
+             + vc.vision_output_dim * text_hidden + text_hidden)  # projector into the language model
+    return dict(vision_linear=n_layers * (4 * h * h + 2 * h * inter), vision_other=other)
 
 
 @dataclass
@@ -98,6 +117,7 @@ class Plan:
     activation_offload: bool
     gpu_budget_gib: float | None
     host_budget_gib: float | None
+    accum: int = 1  # micro-batches per optimizer step (gradient_accumulation_steps)
     resident_layers: int = 0  # decoder layers kept on the GPU; the others are swapped (layer_swap)
     layers: int = 0
     gpu_peak_gib: float = 0.0  # predicted torch.cuda.max_memory_reserved
@@ -114,10 +134,18 @@ class Plan:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def _gradients_row(self) -> str:
+        waits = [w for w, on in (("between micro-batches", self.accum > 1), ("until the norm is known", self.clip))
+                 if on]
+        if not waits:
+            return "freed as used"
+        return ("pinned CPU memory " if self.offload_gradients else "on the GPU ") + " and ".join(waits)
+
     def table(self) -> str:
         rows = [
             ("parameters", f"{self.params / 1e9:.2f} B" if self.params >= 1e9 else f"{self.params / 1e6:.1f} M"),
-            ("micro-batch", f"{self.batch} x {self.seq} tokens"),
+            ("micro-batch", f"{self.batch} x {self.seq} tokens"
+             + (f", {self.accum} per optimizer step (gradient accumulation)" if self.accum > 1 else "")),
         ]
         if self.lora_params:
             rows += [("training", f"LoRA: {self.lora_params / 1e6:.1f} M adapter parameters, their gradients and "
@@ -126,8 +154,7 @@ class Plan:
             rows += [
                 ("optimizer", "8-bit AdamW states in pinned CPU memory, streamed"),
                 ("updates", "after backward, exact clipping" if self.clip else "during backward (no clipping)"),
-                ("gradients", "pinned CPU memory until the norm is known" if self.offload_gradients
-                 else ("freed as used" if not self.clip else "on the GPU until the norm is known")),
+                ("gradients", self._gradients_row()),
             ]
         rows += [
             ("activations", "layer inputs in pinned CPU memory" if self.activation_offload else "on the GPU"),
@@ -139,7 +166,7 @@ class Plan:
             ("host peak (RSS + pinned)", f"{self.host_peak_gib:.1f} GiB"
              + (f" of {self.host_budget_gib:.1f} GiB" if self.host_budget_gib else "")),
             ("PCIe per step", f"{self.pcie_gb_per_step:.1f} GB"),
-            ("step time", f"{self.step_s:.2f} s ({self.batch * self.seq / self.step_s:,.0f} tok/s; "
+            ("step time", f"{self.step_s:.2f} s ({self.accum * self.batch * self.seq / self.step_s:,.0f} tok/s; "
                           f"all on one big GPU: {self.native_step_s:.2f} s)"),
         ]
         w = max(len(k) for k, _ in rows)
@@ -152,7 +179,9 @@ class Plan:
 def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool, offload_gradients: bool,
               activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
               resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
-              block: int = 256) -> dict:
+              block: int = 256, accum: int = 1) -> dict:
+    """Memory of one micro-batch of `batch` x `seq` tokens; traffic and time of one optimizer step of `accum`
+    micro-batches."""
     h, inter, L, V = shape.hidden, shape.intermediate, shape.layers, shape.vocab
     T = batch * seq
     swapped = L - (L if resident is None else resident)
@@ -161,7 +190,8 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     else:
         layer_bytes = 2 * shape.layer_params
     swap_gpu = min(swap_slots, swapped) * layer_bytes  # reused GPU slots of the swapped layers
-    weights = 2 * (params - L * shape.layer_params) + (L - swapped) * layer_bytes
+    vision_bytes = shape.vision_linear * ((0.5 + 1 / 64) if weight_bits == 4 else 2)
+    weights = 2 * (params - L * shape.layer_params - shape.vision_linear) + (L - swapped) * layer_bytes + vision_bytes
     largest = V * h
     chunk = min(chunk_numel, largest)
     slots = inflight * chunk * (2 + 8 / block + (2 if offload_gradients else 0)) if not lora else 0
@@ -175,7 +205,8 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     if weight_bits == 4:
         layer_ws += 2 * h * inter  # the largest weight, dequantized for its matmul
     layer_grads = 2 * shape.layer_params if not lora else 0
-    grads_kept = 2 * params if clip and not offload_gradients and not lora else 0
+    grads_wait = clip or accum > 1  # gradients outlive their backward: until the norm, or the next micro-batch
+    grads_kept = 2 * params if grads_wait and not offload_gradients and not lora else 0
     if grads_kept:
         # gradients pile up while checkpoints are freed: the peak is at the start or at the end of backward
         phase = max(checkpoints + loss + head_grad, grads_kept + layer_ws)
@@ -191,35 +222,42 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     pinned = states + host_grads + host_acts + swapped * layer_bytes
     host = 1.5 * GiB + pinned
 
-    # a swapped layer is fetched twice per step (forward, recompute + backward) and, changed, copied back once
-    # (with clipping, once more for the update after backward)
+    # a swapped layer is fetched twice per micro-batch (forward, recompute + backward) and, changed, copied back
+    # once per step (with clipping, fetched once more for the update after backward)
     # (LoRA: frozen layers are never copied back)
-    swap_h2d = (3 if clip and not lora else 2) * swapped * layer_bytes
+    swap_h2d = (2 * accum + (1 if clip and not lora else 0)) * swapped * layer_bytes
     swap_d2h = swapped * layer_bytes if not lora else 0
-    pcie = 2 * states + 2 * host_grads + 2 * host_acts + swap_h2d + swap_d2h
+    # host gradients: each micro-batch but the last adds into the host sum (H2D of the sum from the 2nd on, D2H);
+    # the last reads it back; with clipping the total goes out once more and comes back for the update
+    grad_moves = (accum - 1 + (1 if clip else 0)) * host_grads
+    h2d = states + grad_moves + accum * host_acts + swap_h2d
+    d2h = states + grad_moves + accum * host_acts + swap_d2h
+    pcie = h2d + d2h
     # weights: forward + recompute + backward (input and weight gradients; LoRA: input gradients only)
     flops = (6 if lora else 8) * params * T + 8 * L * T * seq * h  # + causal attention
-    t_compute = flops / machine.train_flops * (machine.nf4_slowdown if weight_bits == 4 else 1.0)
+    t_micro = flops / machine.train_flops * (machine.nf4_slowdown if weight_bits == 4 else 1.0)
+    t_compute = accum * t_micro
     t_native = t_compute + (16 * params / 4.0e12 if not lora else 0.0)  # AdamW: ~16 B/param at ~4 TB/s
     per_layer = [fan_in * fan_out for fan_in, fan_out in shape.linear_shapes().values()]
     n_chunks = L * (2 + sum(math.ceil(x / chunk) for x in per_layer)) + 2 * math.ceil(largest / chunk)
     # Launching chunk updates from Python competes with launching the step's own kernels; measured: hidden
     # on 8B at 8k tokens (1 s steps), not on 3B at 4k (0.25 s steps).
-    t_cpu = n_chunks * machine.cpu_s_per_chunk * max(0.0, 1 - t_compute / 1.1) if not lora else 0.0
+    t_cpu = n_chunks * machine.cpu_s_per_chunk * max(0.0, 1 - t_micro / 1.1) if not lora else 0.0
     if lora:
         step = t_compute
     elif clip:
         # the update waits for the global norm: after backward, states (and host gradients) cross PCIe;
-        # only the next forward (~1/4 of the step) overlaps them
+        # only the next forward (~1/4 of a micro-batch) overlaps them
         post = (states + host_grads) / (machine.h2d_gb_s * 1e9)
-        step = t_compute + max(0.0, post - t_compute / 4) + t_cpu
+        step = t_compute + max(0.0, post - t_micro / 4) + t_cpu
     else:
-        step = t_compute * machine.backward_inflation + t_cpu
+        step = t_micro * machine.backward_inflation + (accum - 1) * t_micro + t_cpu
     if activation_offload:
-        step += max(0.0, host_acts / (machine.d2h_gb_s * 1e9) - t_compute / 4)  # forward copies beyond overlap
-    if swapped:  # the copy engines are busy for (states + layers + activations) each way: the step is the longer
-        h2d_s = (states + host_grads + host_acts + swap_h2d) / (machine.h2d_gb_s * 1e9)
-        step = max(step, h2d_s, (states + host_grads + host_acts + swap_d2h) / (machine.d2h_gb_s * 1e9))
+        step += accum * max(0.0, host_acts / (machine.d2h_gb_s * 1e9) - t_micro / 4)  # copies beyond overlap
+    if swapped or (accum > 1 and host_grads):
+        # the copy engines are busy for (states, host gradients, layers, activations) each way: the step is at
+        # least as long as the busier direction
+        step = max(step, h2d / (machine.h2d_gb_s * 1e9), d2h / (machine.d2h_gb_s * 1e9))
     return dict(reserved=reserved, allocated=allocated, host=host, pinned=pinned, pcie=pcie, step=step,
                 native=t_native,
                 breakdown={"weights": weights / GiB, "swap slots": swap_gpu / GiB,
@@ -234,11 +272,13 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
          host_memory_gb: float | None = None, max_grad_norm: float = 1.0, loss_chunk: int = 1024,
          chunk_numel: int = 2**25, inflight: int = 4, activation_offload: bool | None = None,
          offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
-         lora_params: int = 0, weight_bits: int = 16, machine: Machine = Machine()) -> Plan:
+         lora_params: int = 0, weight_bits: int = 16, accum: int = 1, machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
 
     `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
-    an int keeps that many resident. `lora_params` > 0: LoRA with that many adapter parameters on a frozen base
+    an int keeps that many resident. `accum`: micro-batches per optimizer step (gradient accumulation; their
+    gradients wait between micro-batches, on the GPU or with `offload_gradients` in pinned memory).
+    `lora_params` > 0: LoRA with that many adapter parameters on a frozen base
     of `weight_bits` (16, or 4 for bitsandbytes NF4); the adapters and their optimizer stay on the GPU.
 
     Raises PlanError, naming the knob to change, when none fits.
@@ -248,12 +288,14 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     L = shape.layers
     clip = bool(max_grad_norm and max_grad_norm > 0)
     acts = [False, True] if activation_offload is None else [activation_offload]
-    grads = ([False, True] if offload_gradients is None else [offload_gradients]) if clip and not lora_params \
+    grads_wait = clip or accum > 1
+    grads = ([False, True] if offload_gradients is None else [offload_gradients]) if grads_wait and not lora_params \
         else [False]
     gpu_usable = (gpu_memory_limit_gb - machine.cuda_context_gib) * GiB if gpu_memory_limit_gb else math.inf
     host_usable = host_memory_gb * GiB if host_memory_gb else math.inf
     estimate = functools.partial(_estimate, shape, n, clip=clip, loss_chunk=loss_chunk, chunk_numel=chunk_numel,
-                                 inflight=inflight, machine=machine, lora=lora_params, weight_bits=weight_bits)
+                                 inflight=inflight, machine=machine, lora=lora_params, weight_bits=weight_bits,
+                                 accum=accum)
     tried = []
     # Every layer resident first (no swap traffic); then as many resident layers as fit.
     if layer_swap is False:
@@ -267,7 +309,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
             for og in grads:
                 e = estimate(batch=batch, seq=seq, offload_gradients=og, activation_offload=act, resident=resident)
                 p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, lora_params=lora_params,
-                         activation_offload=act,
+                         activation_offload=act, accum=accum,
                          gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
                          resident_layers=resident, layers=L,
                          gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB,
@@ -280,7 +322,10 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                     if clip and og:
                         p.notes.append("exact clipping with offloaded gradients moves 4 bytes/param after backward; "
                                        "max_grad_norm: 0 updates during backward instead (faster, no clipping)")
-                    if resident < L and clip:
+                    if accum > 1 and og:
+                        p.notes.append("gradient accumulation sums gradients in pinned CPU memory: 4 bytes/param of "
+                                       "PCIe traffic per micro-batch; fewer, larger micro-batches move less")
+                    if resident < L and clip and not lora_params:
                         p.notes.append("with layers swapped, exact clipping fetches each swapped layer once more "
                                        "for its update after backward: max_grad_norm: 0 avoids it")
                     return p
@@ -351,7 +396,8 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
                 bool(getattr(args, "activation_offload", False)),
                 offload_gradients=getattr(args, "offload_gradients", None) if gpu else
                 bool(getattr(args, "offload_gradients", False)),
-                layer_swap=layer_swap_setting(getattr(args, "layer_swap", "off")), lora_params=lora, weight_bits=bits)
+                layer_swap=layer_swap_setting(getattr(args, "layer_swap", "off")), lora_params=lora, weight_bits=bits,
+                accum=max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1)))
 
 
 def layer_swap_setting(value) -> bool | int | None:

@@ -416,6 +416,10 @@ class OffloadMixin:
                 {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
             ]
             clip = self.args.max_grad_norm is not None and self.args.max_grad_norm > 0
+            accumulate = self.args.gradient_accumulation_steps > 1
+            offload_grads = self._resolved("offload_gradients")
+            if self._flag("offload_gradients") is None and self._swap is not None and self._swap.trainable_swapped:
+                offload_grads = offload_grads or accumulate  # swapped layers' gradients must not pile up on the GPU
             self._offload_opt = StreamedAdamW8bit(
                 [g for g in groups if g["params"]],
                 lr=self.args.learning_rate,
@@ -424,7 +428,7 @@ class OffloadMixin:
                 weight_decay=self.args.weight_decay,
                 bf16_stochastic_round=self._flag("master_weights") == "bf16_sr",
                 update_in_backward=not clip,
-                offload_gradients=clip and self._resolved("offload_gradients"),
+                offload_gradients=(clip or accumulate) and offload_grads,
                 chunk_numel=self._flag("offload_chunk_numel"),
                 inflight_chunks=self._flag("offload_inflight_chunks"),
                 sharding=Sharding() if self._sharded() else None,
@@ -435,6 +439,8 @@ class OffloadMixin:
             self._offload_opt.sync_weights()  # data parallel: every rank starts from rank 0's weights
             self.optimizer = self._offload_opt
             mode = "after backward, clipped to max_grad_norm" if clip else "during backward (no clipping)"
+            if self._offload_opt.offload_gradients:
+                mode += "; gradients wait in host memory" + (" between micro-batches" if accumulate else "")
             logger.info("optimizer: AdamW, 8-bit states in %s memory, updates streamed %s%s",
                         "pinned CPU" if self._offload_opt.device.type == "cuda" else "CPU", mode,
                         f"; data parallel over {self.args.world_size} ranks, each holding its share of the states"

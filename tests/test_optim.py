@@ -71,6 +71,7 @@ MODES = {
     "offload_grads_clip": (dict(offload_gradients=True), True, 0.5),
     "hooks_grads_on_device_clip": (dict(), True, 0.5),
     "update_in_backward": (dict(update_in_backward=True), True, 0.0),
+    "update_in_backward_offload_grads": (dict(update_in_backward=True, offload_gradients=True), True, 0.0),
 }
 
 
@@ -88,6 +89,40 @@ def test_matches_torchao_adamw8bit_cpu(mode):
         assert norms == ref_norms
     assert losses == ref_losses
     assert rel_l2(ref, ours) == 0.0  # same eager arithmetic on CPU: bit-identical
+
+
+@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward_offload_grads"])
+def test_accumulation_on_the_host_is_bit_identical(mode):
+    """4 micro-batches (first, two middle, last) summed in pinned host memory = autograd's sum on the device."""
+    kw, attach, max_norm = MODES[mode]
+    ref, ref_opt, ours, opt = make_pair("cpu", **kw)
+    opt.attach(ours)
+    ref_losses, ref_norms = run(ref, ref_opt, steps=12, accum=4, max_norm=max_norm, seed=4, streamed=False,
+                                device="cpu")
+    losses, norms = run(ours, opt, steps=12, accum=4, max_norm=max_norm, seed=4, streamed=True, device="cpu")
+    assert losses == ref_losses and norms == ref_norms
+    assert rel_l2(ref, ours) == 0.0
+
+
+def test_accumulated_gradients_wait_on_the_host_between_micro_batches():
+    _, _, ours, opt = make_pair("cpu", update_in_backward=True, offload_gradients=True)
+    opt.attach(ours)
+    big = [p for p in ours.parameters() if opt._is_8bit(p)]  # (host buffers are allocated at the first gradient)
+    start = [p.detach().clone() for p in big]
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
+    for _ in range(2):
+        with opt.no_update():
+            ours.loss(ids).backward()
+        assert big and all(p.grad is None for p in big)  # summed into the host buffer, freed on the device
+    assert all(torch.equal(p, s) for p, s in zip(big, start))  # nothing updated yet
+    host = torch.cat([opt._host_grads[opt._offset[p]:opt._offset[p] + p.numel()] for p in big])
+    opt.detach()  # a reference gradient, with no optimizer hook
+    ours.loss(ids).backward()
+    once = torch.cat([p.grad.reshape(-1) for p in big])
+    assert torch.equal(host, once + once)
+    ours.zero_grad()
+    opt.zero_grad()
+    assert not opt._host_sum  # zero_grad drops what waited on the host
 
 
 def test_state_dict_is_torchao_layout_and_round_trips():

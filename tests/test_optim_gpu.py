@@ -15,6 +15,7 @@ MODES = {
     "update_in_backward": (dict(update_in_backward=True), 0.0),
     "offload_grads_clip": (dict(offload_gradients=True), 0.5),
     "grads_on_gpu_clip": (dict(), 0.5),
+    "update_in_backward_offload_grads": (dict(update_in_backward=True, offload_gradients=True), 0.0),
 }
 
 
@@ -68,6 +69,31 @@ def test_thin_wide_layers_catch_missing_stream_syncs(mode):
     run(ours, opt, steps=10, accum=1, max_norm=max_norm, seed=2, streamed=True, device="cuda")
     assert all(math.isfinite(x) for x in ref_losses)
     assert change_err(ref, ours, start) <= 1e-3
+
+
+@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward_offload_grads"])
+def test_thin_wide_accumulation_on_the_host(mode):
+    """3 micro-batches per step, summed in pinned memory: each sum crosses PCIe both ways per micro-batch, with
+    the additions on the H2D stream; a missed wait would add a stale or half-copied sum. And the gradient set is
+    never on the GPU between micro-batches."""
+    kw, max_norm = MODES[mode]
+    ref, ref_opt, ours, opt = pair(THIN_WIDE, torch.float32, lr=THIN_LR, chunk_numel=1 << 22, **kw)
+    start = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
+    run(ref, ref_opt, steps=6, accum=3, max_norm=max_norm, seed=3, streamed=False, device="cuda")
+    run(ours, opt, steps=6, accum=3, max_norm=max_norm, seed=3, streamed=True, device="cuda")
+    err = change_err(ref, ours, start)
+    big = [p for p in ours.parameters() if p in opt._offset]
+    before = torch.cuda.memory_allocated()
+    with opt.no_update():  # one more micro-batch: its gradients go to the host sum
+        ours.loss(torch.randint(0, 128, (4, 17), device="cuda")).backward()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - before
+    grads = sum(p.numel() * p.element_size() for p in big)
+    print(f"{mode}: change err {err:.2e}; after a micro-batch {held / 2**20:.1f} MiB held, "
+          f"gradients {grads / 2**20:.0f} MiB")
+    assert err <= 1e-3
+    assert big and all(p.grad is None for p in big) and held < grads / 4
+    opt.zero_grad()
 
 
 def test_thin_wide_without_syncs_diverges(monkeypatch):

@@ -37,6 +37,23 @@ def test_exact_clipping_on_24gib_chooses_gradient_offload():
     assert p.pcie_gb_per_step == pytest.approx(2 * (2 * 8_030_261_248 * (1 + 4 / 256) + 2 * 8_030_261_248) / 1e9)
 
 
+def test_gradient_accumulation_keeps_gradients_between_micro_batches():
+    cfg, n = architecture_config("llama3-8b"), 8_030_261_248
+    one = plan(cfg, batch=1, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0)
+    assert not one.offload_gradients  # gradients freed as used
+    on_gpu = plan(cfg, batch=1, seq=2048, max_grad_norm=0, accum=4, offload_gradients=False)
+    assert on_gpu.breakdown["gradients kept"] == pytest.approx(2 * n / GiB)  # the full set, between micro-batches
+    p = plan(cfg, batch=1, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0, accum=4)
+    assert p.offload_gradients and p.breakdown["gradients kept"] == 0  # summed in pinned memory instead
+    states = 2 * n * (1 + 4 / 256)
+    # states out and back once per step; the gradient sum: out after micro-batches 1-3, back for 2-4
+    assert p.pcie_gb_per_step == pytest.approx((2 * states + 2 * 3 * 2 * n) / 1e9)
+    assert p.pinned_gib == pytest.approx((states + 2 * n) / GiB)
+    assert "4 per optimizer step" in p.table() and "between micro-batches" in p.table()
+    # 4 micro-batches of 1 x 2048 (~0.26 s of compute each): the copies in each direction take longer
+    assert p.step_s == pytest.approx((states + 3 * 2 * n) / 51.0e9)  # 1.26 s
+
+
 def test_activation_offload_is_chosen_when_only_it_fits():
     cfg = architecture_config("llama3.2-3b")
     with pytest.raises(PlanError, match="activation_offload: true"):

@@ -1,4 +1,5 @@
 """Layer swap against the unswapped model: identical losses, gradients and weights (CPU; `gpu` on CUDA)."""
+import contextlib
 import copy
 
 import pytest
@@ -111,6 +112,41 @@ def test_full_finetune_with_streamed_optimizer_matches_unswapped(device, clip):
         assert torch.equal(a, b.to(device)), name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("clip", [False, True], ids=["update_in_backward", "exact_clip"])
+def test_accumulation_sums_swapped_gradients_on_the_host(device, clip):
+    """3 micro-batches per step: the swapped model's gradients wait summed in pinned memory between them (none
+    left on the device), against the unswapped model accumulating on the device as autograd does."""
+    ref, model, batches = setup(device)
+    swap = install(model, device, resident=2, prefetch=1)
+    kw = dict(lr=1e-2, update_in_backward=not clip, chunk_numel=4096, inflight_chunks=2, bf16_stochastic_round=False)
+    ref_opt = StreamedAdamW8bit(ref.parameters(), **kw)
+    opt = StreamedAdamW8bit(model.parameters(), offload_gradients=True, **kw)
+    ref_opt.attach(ref)
+    opt.attach(model)
+    opt.set_residency(swap.touch)
+    swapped = [p for i in swap.swapped_indices for p in model.model.layers[i].parameters() if opt._is_8bit(p)]
+    losses = {id(ref): [], id(model): []}
+    for step in range(2):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            for micro, batch in enumerate(batches[3 * step:3 * step + 3]):
+                with o.no_update() if micro < 2 else contextlib.nullcontext():
+                    loss = m(**batch).loss / 3
+                    loss.backward()
+                losses[id(m)].append(loss.item())
+                if m is model and micro < 2:
+                    assert swapped and all(p.grad is None for p in swapped)
+            if clip:
+                o.clip_grad_norm_(0.5)
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    swap.synchronize()
+    assert losses[id(ref)] == losses[id(model)]
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b.to(device)), name
+
+
 def test_state_dict_tensors_do_not_share_storage(tmp_path):
     ref, model, _ = setup("cpu", layers=4)
     install(model, "cpu", resident=1, prefetch=0)
@@ -189,3 +225,56 @@ def test_qlora_4bit_base_swaps_with_its_quantization_state():
     assert seen["bwd"] == 3 and seen["missed"] == 0
     refs = next(iter(swap._layers.values())).refs
     assert any(r.kind == "attr" and r.name == "absmax" for r in refs)  # the quantization state travels too
+
+
+def test_vision_language_qlora_swaps_both_kinds_of_decoder_layer():
+    """Mllama (Llama-3.2-Vision) structure: NF4 base, LoRA on the language model, its self- and cross-attention
+    layers swapped (two slot pools) while an image flows through the vision encoder: the same grads."""
+    pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model
+
+    from offload_trainer.loss import chunked_causal_lm_loss
+    from offload_trainer.models import architecture_config, random_image_text_batch, random_init_4bit
+
+    cfg = architecture_config("tiny-mllama")
+    cfg._attn_implementation = "sdpa"
+    cfg.text_config.use_cache = False
+    torch.manual_seed(0)
+    targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    model = get_peft_model(random_init_4bit(cfg, "cpu"), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    inner = model.get_base_model()
+    batch = random_image_text_batch(cfg, 2, 24, generator=torch.Generator().manual_seed(1))
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trained and all("language_model" in n for n in trained)
+
+    def grads():
+        model.zero_grad()
+        h = inner.model(**batch)[0]
+        loss = chunked_causal_lm_loss(h, batch["input_ids"], inner.lm_head.weight, chunk_size=16)
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    ref = grads()
+    cross = [n for n in trained if ".layers.1." in n and "cross_attn" in n]
+    assert cross and all(ref[1][n].abs().sum() > 0 for n in cross)  # the image reaches the loss
+    layers = inner.model.language_model.layers
+    swap = LayerSwap(layers, "cpu", resident=2, prefetch=1)
+    assert len(swap._pools) == 2  # self-attention and cross-attention layers differ in shape
+    seen = {"missed": 0}
+
+    def check(i):
+        def hook(module, args):
+            seen["missed"] += swap._layers[i].slot is None
+        return hook
+
+    for i in swap.swapped_indices:
+        layers[i].mlp.register_forward_pre_hook(check(i))
+    got = grads()
+    assert ref[0] == got[0] and all(torch.equal(ref[1][k], got[1][k]) for k in ref[1])
+    assert swap.swapped_indices == [1, 3, 4]  # both cross-attention layers and a self-attention one
+    assert seen["missed"] == 0 and swap.stats["loads"] >= 3

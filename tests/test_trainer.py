@@ -124,6 +124,8 @@ def test_layer_swap_through_the_trainer_matches_unswapped_and_resumes(tmp_path, 
     plain = run("off", "plain")
     swapped = run("2", "swap")
     assert swapped._swap.memory_stats()["swapped_layers"] == 2 and swapped._swap.stats["loads"] > 0
+    # accumulating 2 micro-batches: the swapped run sums its gradients in host memory, the plain one on the device
+    assert swapped._offload_opt.offload_gradients and not plain._offload_opt.offload_gradients
     assert losses_of(swapped) == losses_of(plain)  # CPU: exact
     run("2", "cut", stop=4)
     resumed = run("2", "cut", resume=str(tmp_path / "cut" / "checkpoint-4"), seed=123)
