@@ -50,6 +50,8 @@ class ModelShape:
     qkv_bias: bool = False
     vision_linear: int = 0  # a vision encoder's linear weights (quantized with the decoder's under 4-bit)
     vision_other: int = 0  # its embeddings, norms and biases, and the projector into the language model
+    cross_layers: int = 0  # decoder layers that cross-attend to the image's tokens (Mllama)
+    cross_tokens: int = 0  # image tokens each sequence's cross-attention reads
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShape":
@@ -60,6 +62,7 @@ class ModelShape:
                    or text.num_attention_heads, vocab=text.vocab_size,
                    tied=bool(getattr(text, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))),
                    qkv_bias=getattr(text, "model_type", "") == "qwen2",
+                   cross_layers=len(getattr(text, "cross_attention_layers", None) or ()),
                    **(_mllama_vision(vision, text.hidden_size) if vision is not None else {}))
 
     @property
@@ -101,7 +104,8 @@ def _mllama_vision(vc, text_hidden: int) -> dict:
              + ratio_ids * tiles * patches * h  # per-tile position embedding, by aspect ratio
              + 2 * (ratio_ids * tiles * h + 1) + 4 * h  # pre/post tile embeddings (gated), pre/post LayerNorms
              + vc.vision_output_dim * text_hidden + text_hidden)  # projector into the language model
-    return dict(vision_linear=n_layers * (4 * h * h + 2 * h * inter), vision_other=other)
+    padded = -(-patches // 8) * 8  # Mllama pads each tile's patches to a multiple of 8
+    return dict(vision_linear=n_layers * (4 * h * h + 2 * h * inter), vision_other=other, cross_tokens=tiles * padded)
 
 
 @dataclass
@@ -204,6 +208,10 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     layer_ws = 10 * T * h * 2 + 6 * T * inter * 2  # one layer's recompute activations and their grads
     if weight_bits == 4:
         layer_ws += 2 * h * inter  # the largest weight, dequantized for its matmul
+    if shape.cross_layers:
+        # SDPA with the image mask runs the math kernel: the (heads x tokens x image tokens) scores are materialised,
+        # ~4 bf16 copies in the recompute + backward of a cross-attention layer (measured: 90B Vision, 1 x 2048)
+        layer_ws += 4 * shape.heads * T * shape.cross_tokens * 2
     layer_grads = 2 * shape.layer_params if not lora else 0
     grads_wait = clip or accum > 1  # gradients outlive their backward: until the norm, or the next micro-batch
     grads_kept = 2 * params if grads_wait and not offload_gradients and not lora else 0
@@ -235,6 +243,7 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     pcie = h2d + d2h
     # weights: forward + recompute + backward (input and weight gradients; LoRA: input gradients only)
     flops = (6 if lora else 8) * params * T + 8 * L * T * seq * h  # + causal attention
+    flops += 16 * shape.cross_layers * T * shape.cross_tokens * h  # + cross-attention to the image (fwd x2, bwd)
     t_micro = flops / machine.train_flops * (machine.nf4_slowdown if weight_bits == 4 else 1.0)
     t_compute = accum * t_micro
     t_native = t_compute + (16 * params / 4.0e12 if not lora else 0.0)  # AdamW: ~16 B/param at ~4 TB/s
