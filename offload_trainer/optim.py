@@ -29,6 +29,7 @@ The state dict has torchao `AdamW8bit`'s layout (`step`, `exp_avg`, `exp_avg_sq`
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 from dataclasses import dataclass, field
@@ -206,6 +207,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._prev_d2h_done = None  # event: the last step's copy-backs finished (host states final)
         self._prev_h2d_done = None  # event: the last step's host gradients were read
         self._host_sum: dict[Tensor, object] = {}  # param -> event: its accumulated gradient landed on the host
+        self._stash_inflight: collections.deque = collections.deque()  # (event, GPU bytes it frees when landed)
+        self._stash_bytes = 0
         self._residency = _always_resident
         self._skip = False
         self.stall = StallMeter(self._streams)  # forward waiting for a layer's update
@@ -400,8 +403,22 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def _stash_grad(self, p: Tensor) -> None:
         """A micro-batch before the last: add `p.grad` to its running sum in pinned host memory, free it."""
         S = self._streams
+        held = p.grad.numel() * p.grad.element_size() * (2 if p in self._host_sum else 1)  # + the sum's H2D copy
         ready = self._add_host_sum(p, S.record(S.compute()))
-        self._host_sum[p] = self._offload_grad(p, ready)
+        landed = self._host_sum[p] = self._offload_grad(p, ready)
+        # Back-pressure: when backward makes gradients faster than PCIe drains them, the CPU waits for the oldest
+        # copies to land (their GPU blocks are then reused) instead of the allocator hitting the memory cap.
+        self._stash_inflight.append((landed, held))
+        self._stash_bytes += held
+        while self._stash_bytes > self._stash_limit():
+            event, nbytes = self._stash_inflight.popleft()
+            event.synchronize()
+            self._stash_bytes -= nbytes
+
+    def _stash_limit(self) -> int:
+        """GPU bytes of micro-batch gradients allowed in flight to the host: two of the largest tensor, >= 1 GiB."""
+        largest = max((p.numel() * p.element_size() for p in self._offset), default=0)
+        return max(2 * largest, 2**30)
 
     def _add_host_sum(self, p: Tensor, grad_ready):
         """If earlier micro-batches left a sum of `p`'s gradients on the host, `p.grad` becomes that sum plus

@@ -193,7 +193,9 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
         layer_bytes = (shape.layer_params - 2 * h) * (0.5 + 1 / 64) + 2 * h * 2
     else:
         layer_bytes = 2 * shape.layer_params
-    swap_gpu = min(swap_slots, swapped) * layer_bytes  # reused GPU slots of the swapped layers
+    # reused GPU slots of the swapped layers: a pool per kind of layer (Mllama: self- and cross-attention)
+    pools = 2 if shape.cross_layers and swapped > shape.cross_layers else 1
+    swap_gpu = min(swap_slots, swapped) * layer_bytes * pools
     vision_bytes = shape.vision_linear * ((0.5 + 1 / 64) if weight_bits == 4 else 2)
     weights = 2 * (params - L * shape.layer_params - shape.vision_linear) + (L - swapped) * layer_bytes + vision_bytes
     largest = V * h
