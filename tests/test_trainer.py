@@ -217,7 +217,7 @@ def test_gpu_logs_show_pcie_pinned_and_stall_with_layer_swap(tmp_path):
     args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4,
                                     learning_rate=3e-3, gradient_checkpointing=True, layer_swap="2",
                                     activation_offload=True, max_grad_norm=0.0, logging_steps=2,
-                                    save_strategy="no", report_to="none")
+                                    gradient_accumulation_steps=2, save_strategy="no", report_to="none")
     args._n_gpu = min(args.n_gpu, 1)  # one GPU, as CUDA_VISIBLE_DEVICES=0 would give on a machine with several
     trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
     trainer.train()
@@ -227,3 +227,4 @@ def test_gpu_logs_show_pcie_pinned_and_stall_with_layer_swap(tmp_path):
     assert all(h["pcie_gb_per_s"] >= 0 and h["host_pinned_gib"] >= 0 and h["gpu_stall_ms"] >= 0 for h in logs)
     assert trainer._swap.stats["loads"] > 0 and trainer._swap.memory_stats()["pinned_bytes"] > 0
     assert trainer._offload_opt.memory_stats()["pinned_bytes"] > 0 and trainer._activations.pinned_bytes() > 0
+    assert trainer._offload_opt.offload_gradients  # accumulating with swapped layers: the sums wait in pinned memory
