@@ -61,6 +61,11 @@ def train(config: str, overrides: list[str]) -> str:
         raise ConfigError(conflict)
     if training_args.offload_optimizer or model_args.lora_r:
         make_plan(model_args, data_args, training_args)  # refuses a plan that cannot fit, before any weights
+    if getattr(model_config_of(model_args), "vision_config", None) is not None:
+        raise ConfigError(f"{model_args.model_name_or_path or model_args.model_config} is a vision-language model: "
+                          f"`offload-trainer plan` plans it, but `train` has no image data pipeline yet (text alone "
+                          f"would skip its cross-attention layers). Train it from Python with LayerSwap and inputs "
+                          f"that carry pixel_values, as bench/qlora_bench.py does.")
 
     from transformers import set_seed
 

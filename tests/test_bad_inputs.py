@@ -217,6 +217,11 @@ def test_several_gpus_one_process(tmp_path, capsys, monkeypatch, no_model_load):
            "CUDA_VISIBLE_DEVICES=0")
 
 
+def test_vision_language_model_in_train(tmp_path, capsys, no_model_load):
+    expect(Case(tmp_path, "model_config: tiny-mllama\nmodel_overrides: {}\n"), capsys, 2,
+           "tiny-mllama is a vision-language model", "no image data pipeline", "bench/qlora_bench.py")
+
+
 def test_gpu_too_small(tmp_path, capsys, no_model_load):
     expect(Case(tmp_path, "model_config: llama3-8b\nmodel_overrides: {}\ngpu_memory_limit_gb: 4\n"
                           "max_seq_length: 2048\n"), capsys, 2,
