@@ -80,7 +80,8 @@ def train(config: str, overrides: list[str]) -> str:
     logger.info("data: %d training sequences of %d tokens%s", len(train_ds), data_args.max_seq_length,
                 f", {len(eval_ds)} held out" if eval_ds else "")
 
-    model = load_model(model_args, gradient_checkpointing=training_args.gradient_checkpointing)
+    model = load_model(model_args, gradient_checkpointing=training_args.gradient_checkpointing,
+                       layerwise=str(training_args.layer_swap) != "off")
     logger.info("model: %s, %.1fM parameters, %s", model_args.model_name_or_path or model_args.model_config,
                 count_params(model) / 1e6, model_args.torch_dtype)
     trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,

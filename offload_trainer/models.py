@@ -93,13 +93,15 @@ def load_tokenizer(model_args):
     return tok
 
 
-def load_model(model_args, *, gradient_checkpointing: bool = False):
-    """Load pretrained weights, or build a named architecture with random init, in the requested dtype."""
+def load_model(model_args, *, gradient_checkpointing: bool = False, layerwise: bool = False):
+    """Load pretrained weights, or build a named architecture with random init, in the requested dtype.
+    `layerwise` (layer swap): a 4-bit base is read and quantized one layer at a time and kept in CPU memory, so it
+    may be bigger than the GPU."""
     from transformers import AutoModelForCausalLM
 
     dtype = DTYPES[model_args.torch_dtype]
     if getattr(model_args, "load_in_4bit", False):
-        model = _load_4bit(model_args, dtype)
+        model = _load_4bit(model_args, dtype, layerwise=layerwise)
     elif model_args.model_name_or_path:
         kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=model_args.attn_implementation)
         path = model_args.model_name_or_path
@@ -153,26 +155,131 @@ def random_init_4bit(cfg, device: str = "cuda", park: str | None = None):
     heads and the projector stay bf16, as `BitsAndBytesConfig` leaves them). Initialised by the model's own
     `_init_weights`, except that the cross-attention gates (zero at init, which would cut the image off) are set
     to 0.1. `park`: where each decoder layer goes once built (e.g. "cpu", for a base bigger than the GPU)."""
+
+    def fill(model, name: str, m) -> None:
+        model._init_weights(m)
+        for n, gate in m.named_parameters(recurse=False):
+            if n.startswith("cross_attn_") and n.endswith("_gate"):
+                gate.fill_(0.1)
+
+    return _build_4bit(cfg, device, park, fill)
+
+
+class SafetensorsReader:
+    """Tensors of a local safetensors checkpoint (one file or an index of shards), read one at a time on demand
+    from memory-mapped files: nothing else of the checkpoint is held in memory."""
+
+    def __init__(self, path: str):
+        import json
+
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                self.where = dict(json.load(f)["weight_map"])
+        else:
+            from safetensors import safe_open
+
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{path}: no *.safetensors weights (layer-wise loading reads safetensors "
+                                        f"only; convert the checkpoint, or set layer_swap: off)")
+            self.where = {}
+            for fname in files:
+                with safe_open(os.path.join(path, fname), framework="pt") as f:
+                    self.where.update(dict.fromkeys(f.keys(), fname))
+        self._open: dict = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        fname = self.where[name]
+        if fname not in self._open:
+            self._open.clear()  # one shard mapped at a time: pages of shards already read are not kept mapped
+            self._open[fname] = safe_open(os.path.join(self.path, fname), framework="pt")
+        return self._open[fname].get_tensor(name)
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def pretrained_4bit_layerwise(path: str, cfg=None, device: str = "cuda", park: str | None = "cpu",
+                              dtype: torch.dtype = torch.bfloat16):
+    """A pretrained model with NF4 block linears, loaded one block at a time: each tensor is read from the
+    safetensors shards straight into place, each decoder layer is quantized on `device` and then parked (e.g. on
+    the CPU, where the layer-swap engine pins it), so neither the GPU nor host memory ever holds more than one
+    layer in 16 bits -- a 70B base loads onto a 24 GiB card and ~40 GB of RAM. Same NF4 (double-quantized) as
+    `from_pretrained(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+    bnb_4bit_use_double_quant=True))`. Checkpoint names must be the model's own (every HF causal LM saved by
+    transformers), with or without its `base_model_prefix`."""
+    from transformers import AutoConfig
+
+    cfg = cfg if cfg is not None else AutoConfig.from_pretrained(path)
+    reader = SafetensorsReader(path)
+    missing: list[str] = []
+
+    def fill(model, name: str, m) -> None:
+        prefix = model.base_model_prefix + "."
+        for n, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            full = f"{name}.{n}" if name else n
+            alt = full[len(prefix):] if full.startswith(prefix) else prefix + full
+            key = full if full in reader else alt if alt in reader else None
+            if key is not None:
+                t.copy_(reader.get(key))
+            elif n in m._parameters or n not in m._non_persistent_buffers_set:
+                missing.append(full)
+
+    try:
+        model = _build_4bit(cfg, device, park, fill, dtype=dtype)
+    finally:
+        reader.close()
+    if model.config.get_text_config().tie_word_embeddings:
+        model.tie_weights()
+        head = model.get_output_embeddings()
+        missing = [n for n in missing if head is None or not n.startswith(_module_name(model, head))]
+    if missing:
+        raise ValueError(f"{path}: {len(missing)} tensors of the model are not in the checkpoint (e.g. "
+                         f"{', '.join(missing[:3])}): its names differ from this transformers version's. "
+                         f"Set layer_swap: off to load it with from_pretrained.")
+    return model
+
+
+def _module_name(model, module) -> str:
+    return next(n for n, m in model.named_modules() if m is module)
+
+
+def _build_4bit(cfg, device: str, park: str | None, fill, dtype: torch.dtype = torch.bfloat16):
+    """Build `cfg`'s model on the meta device, then materialise it module by module on `device`, each module's own
+    tensors filled by `fill(model, module_name, module)`; block linears become NF4 as each block is done."""
     import bitsandbytes as bnb
     from torch import nn
 
     with torch.device("meta"):
-        model = model_class(cfg).from_config(cfg, dtype=torch.bfloat16)
+        model = model_class(cfg).from_config(cfg, dtype=dtype)
     blocks = layer_lists(model)
     in_blocks = {id(m) for stack in blocks for layer in stack for m in layer.modules()}
+    names = {id(m): n for n, m in model.named_modules()}
+    made: dict[int, nn.Parameter] = {}  # meta parameter -> its materialised one (tied weights: made once, shared)
 
     @torch.no_grad()
     def materialise(m: nn.Module) -> None:
-        m.to_empty(device=device, recurse=False)
-        model._init_weights(m)
-        if "RotaryEmbedding" in type(m).__name__:  # inv_freq is computed at construction, not initialised
+        for n, t in list(m._parameters.items()):
+            if t is not None and t.is_meta:
+                if id(t) not in made:
+                    made[id(t)] = nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad)
+                m._parameters[n] = made[id(t)]
+        for n, t in m.named_buffers(recurse=False):
+            if t.is_meta:
+                m._buffers[n] = torch.empty_like(t, device=device)
+        fill(model, names[id(m)], m)
+        if "RotaryEmbedding" in type(m).__name__:  # inv_freq is computed at construction, not stored
             with torch.device(device):
                 fresh = type(m)(config=m.config)
-            for name, buf in fresh.named_buffers(recurse=False):
-                getattr(m, name).copy_(buf)
-        for name, gate in m.named_parameters(recurse=False):
-            if name.startswith("cross_attn_") and name.endswith("_gate"):
-                gate.fill_(0.1)
+            for n, buf in fresh.named_buffers(recurse=False):
+                getattr(m, n).copy_(buf)
 
     for m in model.modules():
         if id(m) not in in_blocks:
@@ -187,7 +294,7 @@ def random_init_4bit(cfg, device: str = "cuda", park: str | None = None):
                     if type(child) is not nn.Linear:
                         continue
                     q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                          compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+                                          compute_dtype=dtype, quant_type="nf4", device="meta")
                     q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4", module=q)
                     if child.bias is not None:
                         q.bias = nn.Parameter(child.bias.data, requires_grad=False)
@@ -217,10 +324,18 @@ def random_image_text_batch(cfg, batch: int, seq: int, device="cpu", generator=N
     return {k: v.to(device) for k, v in out.items()}
 
 
-def _load_4bit(model_args, dtype):
-    """The base model with bitsandbytes NF4 linears (QLoRA): random init layer by layer, or from_pretrained."""
+def _load_4bit(model_args, dtype, layerwise: bool = False):
+    """The base model with bitsandbytes NF4 linears (QLoRA): random init layer by layer; pretrained weights layer
+    by layer (`layerwise`, for layer swap: a base bigger than the GPU), or with from_pretrained onto the GPU."""
     import torch
 
+    if model_args.model_name_or_path and layerwise:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+        config._attn_implementation = model_args.attn_implementation
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return pretrained_4bit_layerwise(model_args.model_name_or_path, config, device, park="cpu", dtype=dtype)
     if model_args.model_name_or_path is None:
         config = architecture_config(model_args.model_config, model_args.model_overrides)
         config._attn_implementation = model_args.attn_implementation
@@ -230,8 +345,7 @@ def _load_4bit(model_args, dtype):
 
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype,
                                bnb_4bit_use_double_quant=True)
-    # NOTE: quantized onto the GPU as it loads; a base bigger than the card needs loading straight into pinned
-    # memory layer by layer, which is not built yet.
+    # NOTE: quantized onto the GPU as it loads: a base bigger than the card needs layerwise=True (layer swap).
     return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, quantization_config=quant, dtype=dtype,
                                                 attn_implementation=model_args.attn_implementation,
                                                 device_map={"": 0 if torch.cuda.is_available() else "cpu"})

@@ -1,0 +1,103 @@
+"""Model building: pretrained NF4 bases loaded one layer at a time (against transformers' own 4-bit loading),
+random-init NF4 shapes, named architectures."""
+import json
+import math
+import re
+
+import pytest
+import torch
+
+from offload_trainer import cli
+from offload_trainer.models import SafetensorsReader, architecture_config, builtin_asset, pretrained_4bit_layerwise
+
+pytest.importorskip("bitsandbytes")
+
+
+def save_tiny(path, tie: bool, layers: int = 3):
+    """A small bf16 Llama saved as several safetensors shards (plus the built-in tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = architecture_config("tiny-llama", {"hidden_size": 256, "intermediate_size": 512,
+                                             "num_hidden_layers": layers, "tie_word_embeddings": tie})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path, max_shard_size="300KB")
+    AutoTokenizer.from_pretrained(builtin_asset("tokenizer")).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_layerwise_4bit_load_equals_transformers_4bit_load(tmp_path, tie):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    path = save_tiny(tmp_path, tie)
+    assert len(list(tmp_path.glob("*.safetensors"))) > 3  # sharded
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_use_double_quant=True)
+    ref = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, dtype=torch.bfloat16,
+                                               device_map={"": "cpu"})
+    ours = pretrained_4bit_layerwise(str(path), device="cpu", park="cpu")
+    a, b = ref.state_dict(), ours.state_dict()
+    assert set(a) == set(b)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # packed NF4 codes, absmax, nested quantization state
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=ids).logits, ours(input_ids=ids).logits)
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tie
+
+
+def test_layerwise_load_reads_one_layer_at_a_time(tmp_path, monkeypatch):
+    """Each decoder layer's tensors are read together, in order, and quantized before the next layer is read:
+    at most one layer is ever in 16 bits."""
+    import bitsandbytes as bnb
+
+    path = save_tiny(tmp_path, tie=False, layers=4)
+    events = []
+    get = SafetensorsReader.get
+    monkeypatch.setattr(SafetensorsReader, "get", lambda self, name: events.append(("read", name)) or get(self, name))
+    to = bnb.nn.Linear4bit.to
+    monkeypatch.setattr(bnb.nn.Linear4bit, "to", lambda self, *a, **k: events.append(("quantize", None)) or
+                        to(self, *a, **k))
+    pretrained_4bit_layerwise(str(path), device="cpu", park="cpu")
+    layer_of = [(kind, int(m.group(1)) if name and (m := re.search(r"layers\.(\d+)\.", name)) else None)
+                for kind, name in events]
+    reads = [i for kind, i in layer_of if kind == "read" and i is not None]
+    assert reads == sorted(reads) and set(reads) == {0, 1, 2, 3}
+    for i in range(3):  # layer i's 7 linears are quantized before anything of layer i + 1 is read
+        first_next = layer_of.index(("read", i + 1))
+        assert sum(1 for kind, j in layer_of[:first_next] if kind == "quantize") == 7 * (i + 1)
+
+
+def test_layerwise_load_names_missing_tensors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path = save_tiny(tmp_path, tie=False, layers=2)
+    shard = next(p for p in tmp_path.glob("*.safetensors") if "model.layers.1.mlp.up_proj.weight" in load_file(p))
+    tensors = load_file(shard)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight.*layer_swap: off"):
+        pretrained_4bit_layerwise(str(path), device="cpu", park="cpu")
+
+
+def test_pretrained_qlora_with_layer_swap_through_the_cli(tmp_path, capsys, monkeypatch):
+    """model_name_or_path + load_in_4bit + layer_swap: the base is loaded layer by layer, then trained."""
+    import offload_trainer.models as models
+
+    path = save_tiny(tmp_path / "base", tie=False, layers=4)
+    calls = []
+    load = models.pretrained_4bit_layerwise
+    monkeypatch.setattr(models, "pretrained_4bit_layerwise", lambda *a, **k: calls.append(a) or load(*a, **k))
+    rc = cli.main(["train", "configs/tiny-cpu.yaml", "model_config=null", f"model_name_or_path={path}",
+                   "torch_dtype=bfloat16", "lora_r=8", "lora_alpha=16", "load_in_4bit=true", "layer_swap=2",
+                   "gradient_checkpointing=true",
+                   "max_steps=2", "logging_steps=1", "save_strategy=no", "eval_fraction=0",
+                   "per_device_train_batch_size=2", "max_seq_length=32", f"output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-2000:]
+    assert "layer swap: 2 of 4 decoder layers" in err and len(calls) == 1
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    losses = [h["loss"] for h in state["log_history"] if "loss" in h]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
