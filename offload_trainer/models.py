@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import weakref
 from importlib import resources
 from typing import Any
 
@@ -262,15 +263,19 @@ def _build_4bit(cfg, device: str, park: str | None, fill, dtype: torch.dtype = t
     blocks = layer_lists(model)
     in_blocks = {id(m) for stack in blocks for layer in stack for m in layer.modules()}
     names = {id(m): n for n, m in model.named_modules()}
-    made: dict[int, nn.Parameter] = {}  # meta parameter -> its materialised one (tied weights: made once, shared)
+    # meta parameter -> (it, its materialised one): tied weights are made once and shared. The materialised one is
+    # held weakly (a block's 16-bit weights must go once quantized), the meta one strongly (its id stays unique).
+    made: dict[int, tuple] = {}
 
     @torch.no_grad()
     def materialise(m: nn.Module) -> None:
         for n, t in list(m._parameters.items()):
             if t is not None and t.is_meta:
-                if id(t) not in made:
-                    made[id(t)] = nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad)
-                m._parameters[n] = made[id(t)]
+                new = made[id(t)][1]() if id(t) in made else None
+                if new is None:
+                    new = nn.Parameter(torch.empty_like(t, device=device), requires_grad=t.requires_grad)
+                    made[id(t)] = (t, weakref.ref(new))
+                m._parameters[n] = new
         for n, t in m.named_buffers(recurse=False):
             if t.is_meta:
                 m._buffers[n] = torch.empty_like(t, device=device)
