@@ -1,5 +1,6 @@
 """Model building: pretrained NF4 bases loaded one layer at a time (against transformers' own 4-bit loading),
 random-init NF4 shapes, named architectures."""
+import gc
 import json
 import math
 import re
@@ -50,19 +51,33 @@ def test_layerwise_load_reads_one_layer_at_a_time(tmp_path, monkeypatch):
     at most one layer is ever in 16 bits."""
     import bitsandbytes as bnb
 
-    path = save_tiny(tmp_path, tie=False, layers=4)
+    path = save_tiny(tmp_path, tie=False, layers=6)
     events = []
     get = SafetensorsReader.get
-    monkeypatch.setattr(SafetensorsReader, "get", lambda self, name: events.append(("read", name)) or get(self, name))
     to = bnb.nn.Linear4bit.to
     monkeypatch.setattr(bnb.nn.Linear4bit, "to", lambda self, *a, **k: events.append(("quantize", None)) or
                         to(self, *a, **k))
+    big = []  # at each read: how many 16-bit MLP weights are alive (only the layer being read may have them)
+
+    def read(self, name):
+        big.append(sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta
+                       and o.dtype == torch.bfloat16 and tuple(o.shape) == (512, 256)))
+        events.append(("read", name))
+        return get(self, name)
+
+    monkeypatch.setattr(SafetensorsReader, "get", read)
+    gc.collect()
+    before = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and not o.is_meta
+                 and tuple(o.shape) == (512, 256))
     pretrained_4bit_layerwise(str(path), device="cpu", park="cpu")
+    # gate_proj and up_proj of the layer being read, and of the one just quantized until the garbage collector
+    # frees them: bounded, whatever the number of layers
+    assert max(big) - before <= 4, big
     layer_of = [(kind, int(m.group(1)) if name and (m := re.search(r"layers\.(\d+)\.", name)) else None)
                 for kind, name in events]
     reads = [i for kind, i in layer_of if kind == "read" and i is not None]
-    assert reads == sorted(reads) and set(reads) == {0, 1, 2, 3}
-    for i in range(3):  # layer i's 7 linears are quantized before anything of layer i + 1 is read
+    assert reads == sorted(reads) and set(reads) == set(range(6))
+    for i in range(5):  # layer i's 7 linears are quantized before anything of layer i + 1 is read
         first_next = layer_of.index(("read", i + 1))
         assert sum(1 for kind, j in layer_of[:first_next] if kind == "quantize") == 7 * (i + 1)
 
