@@ -167,44 +167,58 @@ def random_init_4bit(cfg, device: str = "cuda", park: str | None = None):
 
 
 class SafetensorsReader:
-    """Tensors of a local safetensors checkpoint (one file or an index of shards), read one at a time on demand
-    from memory-mapped files: nothing else of the checkpoint is held in memory."""
+    """Tensors of a local safetensors checkpoint (one file or an index of shards), each read on demand with plain
+    file reads into a fresh tensor: no file is memory-mapped, so host memory holds the tensor being read and
+    nothing else of the checkpoint (a mapped shard would count in the process's RSS as it is read)."""
+
+    _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+               "BOOL": torch.bool}
 
     def __init__(self, path: str):
         import json
 
         self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                self.where = dict(json.load(f)["weight_map"])
-        else:
-            from safetensors import safe_open
-
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-            if not files:
-                raise FileNotFoundError(f"{path}: no *.safetensors weights (layer-wise loading reads safetensors "
-                                        f"only; convert the checkpoint, or set layer_swap: off)")
-            self.where = {}
-            for fname in files:
-                with safe_open(os.path.join(path, fname), framework="pt") as f:
-                    self.where.update(dict.fromkeys(f.keys(), fname))
-        self._open: dict = {}
+        files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors")) if os.path.isdir(path) else []
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors weights (layer-wise loading reads safetensors only; "
+                                    f"convert the checkpoint, or set layer_swap: off)")
+        self.where: dict[str, tuple] = {}  # name -> (file, dtype, shape, byte offset, byte length)
+        for fname in files:
+            full = os.path.join(path, fname)
+            with open(full, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(n))
+            for name, info in header.items():
+                if name == "__metadata__":
+                    continue
+                begin, stop = info["data_offsets"]
+                if info["dtype"] not in self._DTYPES:
+                    raise ValueError(f"{full}: tensor {name} has dtype {info['dtype']}, which layer-wise loading "
+                                     f"does not read; set layer_swap: off")
+                self.where[name] = (full, self._DTYPES[info["dtype"]], tuple(info["shape"]), 8 + n + begin,
+                                    stop - begin)
+        self._file = None
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
     def get(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        fname = self.where[name]
-        if fname not in self._open:
-            self._open.clear()  # one shard mapped at a time: pages of shards already read are not kept mapped
-            self._open[fname] = safe_open(os.path.join(self.path, fname), framework="pt")
-        return self._open[fname].get_tensor(name)
+        full, dtype, shape, offset, nbytes = self.where[name]
+        if self._file is None or self._file.name != full:
+            self.close()
+            self._file = open(full, "rb")
+        t = torch.empty(shape, dtype=dtype)
+        if nbytes:
+            self._file.seek(offset)
+            if self._file.readinto(memoryview(t.reshape(-1).view(torch.uint8).numpy())) != nbytes:
+                raise ValueError(f"{full}: tensor {name} is truncated")
+        return t
 
     def close(self) -> None:
-        self._open.clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def pretrained_4bit_layerwise(path: str, cfg=None, device: str = "cuda", park: str | None = "cpu",
@@ -281,7 +295,7 @@ def _build_4bit(cfg, device: str, park: str | None, fill, dtype: torch.dtype = t
                 m._buffers[n] = torch.empty_like(t, device=device)
         fill(model, names[id(m)], m)
         if "RotaryEmbedding" in type(m).__name__:  # inv_freq is computed at construction, not stored
-            with torch.device(device):
+            with torch.device("cpu"):  # (on the CPU, as transformers does: the GPU's pow rounds differently)
                 fresh = type(m)(config=m.config)
             for n, buf in fresh.named_buffers(recurse=False):
                 getattr(m, n).copy_(buf)
