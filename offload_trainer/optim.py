@@ -251,6 +251,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if self.offload_gradients and any(p.dtype != grad_dtype for p in big):
             raise ValueError("offload_gradients needs all 8-bit-state parameters in one dtype")
         self._host_grads = pinned_empty(total, grad_dtype, pin=pin) if self.offload_gradients else None
+        # GPU bytes of micro-batch gradients allowed in flight to the host sums: two of the largest tensor, >= 1 GiB
+        self._stash_limit = max(2 * max((p.numel() * p.element_size() for p in big), default=0), 2**30)
         qmaps = [torch.tensor(get_qmap_signed()), torch.tensor(get_qmap_unsigned())]
         self._qmaps_dev = [q.to(self.device) for q in qmaps]
         off = 0
@@ -371,7 +373,6 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             return
         self._ensure_states()
         S = self._streams
-        merged = self._add_host_sum(p, S.record(S.compute()))
         if self._shard is not None:
             ready = self._reduce(p)
             if ready is None:  # another rank owns p: its new weights come from there
@@ -380,7 +381,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                     self._publish(p)
                 return
         else:
-            ready = merged
+            ready = self._add_host_sum(p, S.record(S.compute()))  # + earlier micro-batches' sum, if on the host
             if self.update_in_backward or (self.offload_gradients and p in self._offset):
                 with S.on(S.h2d) if p in self._plan.merged_params else contextlib.nullcontext():
                     self._plan.norms[p] = _grad_norm(p.grad)  # on the stream that made the gradient
@@ -410,15 +411,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         # copies to land (their GPU blocks are then reused) instead of the allocator hitting the memory cap.
         self._stash_inflight.append((landed, held))
         self._stash_bytes += held
-        while self._stash_bytes > self._stash_limit():
+        while self._stash_bytes > self._stash_limit:
             event, nbytes = self._stash_inflight.popleft()
             event.synchronize()
             self._stash_bytes -= nbytes
-
-    def _stash_limit(self) -> int:
-        """GPU bytes of micro-batch gradients allowed in flight to the host: two of the largest tensor, >= 1 GiB."""
-        largest = max((p.numel() * p.element_size() for p in self._offset), default=0)
-        return max(2 * largest, 2**30)
 
     def _add_host_sum(self, p: Tensor, grad_ready):
         """If earlier micro-batches left a sum of `p`'s gradients on the host, `p.grad` becomes that sum plus

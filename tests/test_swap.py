@@ -193,22 +193,13 @@ def test_lora_swaps_frozen_weights_only(device):
 def test_qlora_4bit_base_swaps_with_its_quantization_state():
     """bitsandbytes NF4 weights and their QuantState (absmax, code, nested state) move as one layer."""
     pytest.importorskip("bitsandbytes")
-    from peft import LoraConfig, get_peft_model
 
     from offload_trainer.loss import chunked_causal_lm_loss
-    from offload_trainer.models import architecture_config, random_init_4bit
+    from offload_trainer.models import architecture_config
 
     cfg = architecture_config("tiny-llama", {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4})
     cfg._attn_implementation, cfg.use_cache = "sdpa", False
-    torch.manual_seed(0)
-    model = get_peft_model(random_init_4bit(cfg, "cpu"),
-                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM"))
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.02)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    inner = model.get_base_model()
+    model, inner = qlora(cfg, "all-linear", task_type="CAUSAL_LM")
     ids = torch.randint(0, 512, (2, 32))
 
     def grads():
@@ -231,23 +222,14 @@ def test_vision_language_qlora_swaps_both_kinds_of_decoder_layer():
     """Mllama (Llama-3.2-Vision) structure: NF4 base, LoRA on the language model, its self- and cross-attention
     layers swapped (two slot pools) while an image flows through the vision encoder: the same grads."""
     pytest.importorskip("bitsandbytes")
-    from peft import LoraConfig, get_peft_model
 
     from offload_trainer.loss import chunked_causal_lm_loss
-    from offload_trainer.models import architecture_config, random_image_text_batch, random_init_4bit
+    from offload_trainer.models import architecture_config, random_image_text_batch
 
     cfg = architecture_config("tiny-mllama")
     cfg._attn_implementation = "sdpa"
     cfg.text_config.use_cache = False
-    torch.manual_seed(0)
-    targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    model = get_peft_model(random_init_4bit(cfg, "cpu"), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-    for n, p in model.named_parameters():
-        if "lora_B" in n:
-            torch.nn.init.normal_(p, std=0.02)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    inner = model.get_base_model()
+    model, inner = qlora(cfg, r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)")
     batch = random_image_text_batch(cfg, 2, 24, generator=torch.Generator().manual_seed(1))
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trained and all("language_model" in n for n in trained)
@@ -278,3 +260,21 @@ def test_vision_language_qlora_swaps_both_kinds_of_decoder_layer():
     assert ref[0] == got[0] and all(torch.equal(ref[1][k], got[1][k]) for k in ref[1])
     assert swap.swapped_indices == [1, 3, 4]  # both cross-attention layers and a self-attention one
     assert seen["missed"] == 0 and swap.stats["loads"] >= 3
+
+
+def qlora(cfg, targets: str, **lora_kw):
+    """A random-init NF4 base with LoRA r=4 on `targets`, B matrices non-zero (so the base weights matter for the
+    adapters' gradients), checkpointed, in train mode. Returns (peft model, base model)."""
+    from peft import LoraConfig, get_peft_model
+
+    from offload_trainer.models import random_init_4bit
+
+    torch.manual_seed(0)
+    model = get_peft_model(random_init_4bit(cfg, "cpu"), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                                    **lora_kw))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.02)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model, model.get_base_model()
