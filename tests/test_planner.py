@@ -58,6 +58,31 @@ def test_gradient_accumulation_keeps_gradients_between_micro_batches():
     assert p.step_s == pytest.approx(3 * (t / 4 + g) + t / 4 + g + st + launches)  # 1.95 s; measured 2.08 s
 
 
+def test_data_parallel_shares_the_states_per_node(capsys):
+    """Run 20261130-distB (2 H200s, 24 GiB each, 4 x 2048 per GPU, no clipping): pinned 15.19 GiB per node (7.6 per
+    rank), 14232 tok/s over both GPUs; host RSS per node ~19.2 GiB."""
+    cfg, n = architecture_config("llama3-8b"), 8_030_261_248
+    states = 2 * n * (1 + 4 / 256)
+    one = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0)
+    two = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0, ranks=2)
+    assert two.pinned_gib == pytest.approx(states / GiB) == pytest.approx(15.19, abs=0.01)  # half per rank
+    assert two.host_peak_gib == pytest.approx(2 * 1.5 + states / GiB)  # two processes' baseline
+    assert two.pcie_gb_per_step == pytest.approx(one.pcie_gb_per_step / 2)  # each link streams its share
+    assert two.gpu_peak_gib <= one.gpu_peak_gib and two.ranks == 2
+    tok_s = 2 * 4 * 2048 / two.step_s
+    assert tok_s == pytest.approx(14232, rel=0.1)
+    # accumulating under data parallel: micro-batches sum on each device (a full gradient set), unless each one is
+    # reduced and the owners sum the means of their share in pinned memory
+    on_device = plan(cfg, batch=1, seq=2048, max_grad_norm=0, ranks=2, accum=4, offload_gradients=False)
+    assert on_device.breakdown["gradients kept"] == pytest.approx(2 * n / GiB)
+    acc = plan(cfg, batch=1, seq=2048, max_grad_norm=0, ranks=2, accum=4, offload_gradients=True)
+    assert acc.breakdown["gradients kept"] == 0
+    assert acc.pinned_gib == pytest.approx((states + 2 * n) / GiB)  # per node: each rank's share of the sums
+    assert acc.pcie_gb_per_step == pytest.approx((2 * states / 2 + 2 * 3 * n) / 1e9)  # per GPU: its shares
+    assert cli.main(["plan", "configs/llama3-8b-full-24gb.yaml", "--gpus", "2", "--json", "max_grad_norm=0"]) == 0
+    assert json.loads(capsys.readouterr().out)["ranks"] == 2
+
+
 def test_activation_offload_is_chosen_when_only_it_fits():
     cfg = architecture_config("llama3.2-3b")
     with pytest.raises(PlanError, match="activation_offload: true"):
