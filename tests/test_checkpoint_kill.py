@@ -53,7 +53,8 @@ def finish(proc: subprocess.Popen, timeout=300) -> str:
 
 
 def _train_in_child(argv: list[str]) -> None:
-    """A forked child: the imports are inherited, so a trial costs its training steps, not a Python start."""
+    """A child forked from the fork server: the imports are inherited, so a trial costs its training steps, not a
+    Python start."""
     import torch
 
     from offload_trainer import cli
@@ -66,7 +67,10 @@ def test_sigkill_during_20_saves_then_resume_gives_the_same_losses(tmp_path):
     """20 times: resume from the newest complete checkpoint, SIGKILL at a random point inside the next save."""
     import multiprocessing
 
-    fork = multiprocessing.get_context("fork")
+    # NOTE: not plain fork: this pytest process has run torch's OpenMP thread pools in earlier tests, and a child
+    # forked after that can deadlock in them (seen here). A fork server is a fresh process that only imports.
+    fork = multiprocessing.get_context("forkserver")
+    fork.set_forkserver_preload(["torch", "transformers", "offload_trainer.cli", "offload_trainer.trainer"])
     steps = 30
 
     def config(out: Path) -> str:
