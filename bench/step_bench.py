@@ -66,7 +66,9 @@ def gpu_idle_ms(step_fn) -> dict:
 
     busy = {sid: union(iv) / 1e6 for sid, iv in by_stream.items()}
     main = max(busy, key=busy.get) if busy else None  # the compute stream is the busiest one
-    return {"profiled_step_ms": round(wall * 1e3, 1),
+    top = sorted(prof.key_averages(), key=lambda k: k.self_cpu_time_total, reverse=True)[:10]
+    return {"top_self_cpu_ms": {k.key[:60]: [k.count, round(k.self_cpu_time_total / 1e3, 1)] for k in top},
+            "profiled_step_ms": round(wall * 1e3, 1),
             "compute_stream_busy_ms": round(busy.get(main, 0.0), 1),
             "gpu_idle_ms": round(wall * 1e3 - busy.get(main, 0.0), 1),
             "stream_busy_ms": {str(k): round(v, 1) for k, v in busy.items()}}
@@ -91,6 +93,8 @@ def main() -> None:
     ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (per rank)")
     ap.add_argument("--seeded-data", action="store_true", help="batches from a generator seeded by the step "
                     "(identical across process counts; slower to draw than on the GPU)")
+    ap.add_argument("--backlog-gib", type=float, default=None,
+                    help="offload_trainer: GPU gradients waiting for updates before the CPU waits (default: its own)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -168,8 +172,8 @@ def main() -> None:
                 shard = Sharding()
             opt = StreamedAdamW8bit(model.parameters(), lr=1e-5, update_in_backward=noclip,
                                     offload_gradients=(not noclip or a.accum > 1) and not a.grads_on_gpu,
-                                    chunk_numel=a.chunk,
-                                    sharding=shard)
+                                    chunk_numel=a.chunk, sharding=shard,
+                                    grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30))
             row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk)
             from offload_trainer.planner import PlanError, plan
 
@@ -227,9 +231,13 @@ def main() -> None:
             return loss
 
         times, losses, series = [], [], {"rss_gib": [], "pinned_gib": [], "reserved_gib": []}
+        cpu_side, alloc_before = [], {}
         for i in range(a.warmup + a.steps):
-            seconds, loss = timed(step)
+            if i == a.warmup:
+                alloc_before = allocator_counts()
+            seconds, loss, launched = timed(step, with_launch=True)
             times.append(seconds)
+            cpu_side.append(launched)
             losses.append(loss)
             if a.soak:
                 from offload_trainer.sysinfo import rss_gib
@@ -246,6 +254,11 @@ def main() -> None:
         measured = times[a.warmup:]
         med = statistics.median(measured)
         row.update(tok_per_s=round(row["tokens_per_step"] / med, 1), step_s_median=round(med, 4))
+        # Allocator events over the timed steps (retries = the cap was hit: cached blocks freed after a device-wide
+        # sync), and how long the CPU took to queue a step (close to the step time: the step is CPU-bound)
+        row["extra"]["allocator_over_timed_steps"] = {k: v - alloc_before.get(k, 0)
+                                                      for k, v in allocator_counts().items()}
+        row["extra"]["cpu_queue_s_median"] = round(statistics.median(cpu_side[a.warmup:]), 4)
         row["extra"].update(step_s=[round(t, 4) for t in times], losses=losses, first_step_s=round(times[0], 2),
                             tok_per_s_best=round(row["tokens_per_step"] / min(measured), 1))
         if swap is not None:
@@ -306,13 +319,22 @@ def pinned_bytes(*movers) -> int:
     return sum(m.memory_stats()["pinned_bytes"] for m in movers if hasattr(m, "memory_stats"))
 
 
-def timed(step) -> tuple[float, float]:
-    """Seconds of one synchronized step, and its loss."""
+def timed(step, with_launch: bool = False):
+    """Seconds of one synchronized step and its loss (and the seconds until the CPU had queued it all)."""
     torch.cuda.synchronize()
     t = time.perf_counter()
     loss = step()
+    queued = time.perf_counter() - t
     torch.cuda.synchronize()
-    return time.perf_counter() - t, round(loss.item(), 4)
+    out = (time.perf_counter() - t, round(loss.item(), 4))
+    return (*out, queued) if with_launch else out
+
+
+def allocator_counts() -> dict:
+    """The caching allocator's event counters (cumulative since the process started)."""
+    st = torch.cuda.memory_stats()
+    return {k: int(st.get(k, 0)) for k in ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
+                                            "num_device_free", "num_ooms")}
 
 
 def swap_extra(swap, before: dict, stall_before: float) -> dict:

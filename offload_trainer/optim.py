@@ -142,6 +142,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     Args mirror torchao `AdamW8bit`; keyword-only flags choose how the update is streamed.
     `chunk_numel` elements are staged per copy; `inflight_chunks` slots bound GPU memory in flight.
+    `grad_backlog_bytes`: GPU bytes of gradients that may wait for their update or copy to the host before the
+    CPU waits for the oldest (default: twice the largest tensor's gradient, at least 1 GiB).
     """
 
     def __init__(
@@ -160,6 +162,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         inflight_chunks: int = 4,
         compile: bool | None = None,
         sharding: Sharding | None = None,
+        grad_backlog_bytes: int | None = None,
     ) -> None:
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}")
@@ -173,6 +176,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self.update_in_backward = update_in_backward
         self.offload_gradients = offload_gradients
         self.chunk_numel = chunk_numel
+        self.grad_backlog_bytes = grad_backlog_bytes
 
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not self._params:
@@ -208,8 +212,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._prev_h2d_done = None  # event: the last step's host gradients were read
         self._host_sum: dict[Tensor, object] = {}  # param -> event: its accumulated gradient landed on the host
         self._dev_sum: dict[Tensor, Tensor] = {}  # data parallel, small tensors: the owner's sum of earlier means
-        self._stash_inflight: collections.deque = collections.deque()  # (event, GPU bytes it frees when landed)
-        self._stash_bytes = 0
+        self._held: collections.deque = collections.deque()  # (event, GPU gradient bytes freed when it has passed)
+        self._held_bytes = 0
         self._residency = _always_resident
         self._skip = False
         self.stall = StallMeter(self._streams)  # forward waiting for a layer's update
@@ -252,8 +256,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if self.offload_gradients and any(p.dtype != grad_dtype for p in big):
             raise ValueError("offload_gradients needs all 8-bit-state parameters in one dtype")
         self._host_grads = pinned_empty(total, grad_dtype, pin=pin) if self.offload_gradients else None
-        # GPU bytes of micro-batch gradients allowed in flight to the host sums: two of the largest tensor, >= 1 GiB
-        self._stash_limit = max(2 * max((p.numel() * p.element_size() for p in big), default=0), 2**30)
+        # GPU bytes of gradients allowed to wait for their update or copy (`_hold`): two of the largest tensor, >= 1 GiB
+        self._held_limit = self.grad_backlog_bytes if self.grad_backlog_bytes is not None else max(
+            2 * max((p.numel() * p.element_size() for p in big), default=0), 2**30)
         qmaps = [torch.tensor(get_qmap_signed()), torch.tensor(get_qmap_unsigned())]
         self._qmaps_dev = [q.to(self.device) for q in qmaps]
         off = 0
@@ -449,15 +454,21 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         S = self._streams
         held = p.grad.numel() * p.grad.element_size() * (2 if p in self._host_sum else 1)  # + the sum's H2D copy
         ready = self._add_host_sum(p, grad_ready if grad_ready is not None else S.record(S.compute()))
-        landed = self._host_sum[p] = self._offload_grad(p, ready)
-        # Back-pressure: when backward makes gradients faster than PCIe drains them, the CPU waits for the oldest
-        # copies to land (their GPU blocks are then reused) instead of the allocator hitting the memory cap.
-        self._stash_inflight.append((landed, held))
-        self._stash_bytes += held
-        while self._stash_bytes > self._stash_limit:
-            event, nbytes = self._stash_inflight.popleft()
+        self._host_sum[p] = self._offload_grad(p, ready, held)
+
+    def _hold(self, done, nbytes: int) -> None:
+        """Back-pressure: `nbytes` of gradients stay allocated on the GPU until the event `done` (their update or
+        copy to the host has read them). When backward makes gradients faster than PCIe drains them, the CPU waits
+        for the oldest to pass once more than `_held_limit` bytes wait -- the other streams keep going -- instead
+        of the allocator hitting the memory cap, where it synchronizes the whole device and serializes the step."""
+        while self._held and self._held[0][0].query():
+            self._held_bytes -= self._held.popleft()[1]
+        self._held.append((done, nbytes))
+        self._held_bytes += nbytes
+        while self._held_bytes > self._held_limit:
+            event, n = self._held.popleft()
             event.synchronize()
-            self._stash_bytes -= nbytes
+            self._held_bytes -= n
 
     def _add_host_sum(self, p: Tensor, grad_ready):
         """If earlier micro-batches left a sum of `p`'s gradients on the host, `p.grad` becomes that sum plus
@@ -533,8 +544,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 self._shard.broadcast(p.detach(), self._owner[p]).wait()
         self._record_unit_done(p, S.published)
 
-    def _offload_grad(self, p: Tensor, grad_ready):
-        """Queue the copy of `p.grad` into its slice of the pinned host buffer; frees it. Returns the event."""
+    def _offload_grad(self, p: Tensor, grad_ready, held: int | None = None):
+        """Queue the copy of `p.grad` into its slice of the pinned host buffer; frees it. Returns the event.
+        `held`: GPU bytes that wait for the copy (default: the gradient's)."""
         S = self._streams
         S.d2h.wait_event(grad_ready)
         if self._prev_h2d_done is not None:  # the host buffer still holds last step's grads until read
@@ -544,9 +556,12 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         with S.on(S.d2h):
             self._host_grads[off:off + n].copy_(p.grad.view(-1), non_blocking=True)
         S.keep_alive(p.grad, S.d2h)
-        self.stats["d2h_bytes"] += n * p.grad.element_size()
+        nbytes = n * p.grad.element_size()
+        self.stats["d2h_bytes"] += nbytes
         p.grad = None
-        return S.record(S.d2h)
+        landed = S.record(S.d2h)
+        self._hold(landed, nbytes if held is None else held)
+        return landed
 
     def _record_unit_done(self, p: Tensor, stream) -> None:
         unit = self._unit_of.get(p)
@@ -584,6 +599,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         for s in range(0, n, self._slot_chunk):
             e = min(s + self._slot_chunk, n)
             self._update_chunk(p, off, s, e, flat_p, flat_g, grad_ready if on_host else None, step, (*hyper, sr))
+        if not on_host:
+            self._hold(S.record(S.update), n * grad.element_size())  # the gradient is freed once the update read it
 
     def _update_chunk(self, p, off, s, e, flat_p, flat_g, host_grad_ready, step, args) -> None:
         S, bs, n = self._streams, self.block_size, e - s

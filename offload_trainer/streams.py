@@ -19,6 +19,9 @@ class _NullEvent:
     def synchronize(self) -> None:
         pass
 
+    def query(self) -> bool:
+        return True
+
 
 class _NullStream:
     def wait_event(self, event) -> None:

@@ -170,6 +170,54 @@ def test_gradients_are_freed_during_backward():
     assert big and all(p.grad is None for p in big)  # moved to the host buffer during backward
 
 
+class _PendingEvent:
+    """An event the "GPU" has not reached until the CPU synchronizes on it (CPU streams run everything at once)."""
+
+    def __init__(self, log):
+        self.log, self.done = log, False
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = True
+        self.log.append(self)
+
+
+@pytest.mark.parametrize("update_in_backward", [True, False])
+def test_gradients_waiting_on_the_device_are_bounded(update_in_backward):
+    """Gradients waiting for their update (or copy to the host) hold GPU memory; past `grad_backlog_bytes` the CPU
+    waits for the oldest of them, in order, instead of letting the backlog grow."""
+    _, _, ours, opt = make_pair("cpu", offload_gradients=True, update_in_backward=update_in_backward)
+    big = [p for p in ours.parameters() if opt._is_8bit(p)]
+    limit = 2 * max(p.numel() * p.element_size() for p in big)
+    opt.grad_backlog_bytes = limit
+    waited, made, peak = [], [], [0]
+    record = opt._streams.record
+
+    def pending(stream):
+        record(stream)
+        made.append(_PendingEvent(waited))
+        return made[-1]
+
+    opt._streams.record = pending
+    hold = opt._hold
+
+    def checked(done, nbytes):
+        hold(done, nbytes)
+        peak[0] = max(peak[0], opt._held_bytes)
+
+    opt._hold = checked
+    opt.attach(ours)
+    ours.loss(torch.randint(0, 128, (2, 9))).backward()
+    total = sum(p.numel() * p.element_size() for p in big)
+    assert total > limit and waited  # the backlog outgrew the limit: the CPU waited
+    assert 0 < peak[0] <= limit
+    held = [e for e, _ in opt._held]
+    assert all(made.index(a) < made.index(b) for a, b in zip(waited, waited[1:]))  # oldest first
+    assert all(made.index(w) < made.index(h) for w in waited for h in held)  # the ones still held are the newest
+
+
 def test_frozen_parameters_get_no_state():
     model = TinyLM()
     model.embed.weight.requires_grad_(False)
