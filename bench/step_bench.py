@@ -95,6 +95,7 @@ def main() -> None:
                     "(identical across process counts; slower to draw than on the GPU)")
     ap.add_argument("--backlog-gib", type=float, default=None,
                     help="offload_trainer: GPU gradients waiting for updates before the CPU waits (default: its own)")
+    ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -275,6 +276,8 @@ def main() -> None:
                                          round((shard.stats[k] - comm_before[k]) / 1e9, 2) for k in shard.stats})
             except Exception as e:  # the profile is extra information, not the measurement
                 row["extra"]["profile_error"] = repr(e)[:200]
+            if a.cprofile:
+                row["extra"]["cprofile_top_ms"] = python_profile(step)
             prof_s = row["extra"].get("profiled_step_ms", med * 1e3) / 1e3
             moved = {k: opt.stats[k] - before[k] for k in ("h2d_bytes", "d2h_bytes")}
             row["extra"].update(h2d_gb_per_step=round(moved["h2d_bytes"] / 1e9, 2),
@@ -328,6 +331,23 @@ def timed(step, with_launch: bool = False):
     torch.cuda.synchronize()
     out = (time.perf_counter() - t, round(loss.item(), 4))
     return (*out, queued) if with_launch else out
+
+
+def python_profile(step, top: int = 25) -> dict:
+    """One step under cProfile: the functions with the most own CPU time ("file:line name": [calls, own, total ms])."""
+    import cProfile
+    import pstats
+
+    pr = cProfile.Profile()
+    torch.cuda.synchronize()
+    pr.enable()
+    step()
+    torch.cuda.synchronize()
+    pr.disable()
+    stats = pstats.Stats(pr).stats
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return {f"{os.path.basename(f)}:{line} {name}"[:80]: [calls, round(tt * 1e3, 1), round(ct * 1e3, 1)]
+            for (f, line, name), (_, calls, tt, ct, _) in rows}
 
 
 def allocator_counts() -> dict:

@@ -122,6 +122,7 @@ class _Slot:
     scales: Tensor  # (2, chunk // block) fp32
     grad_bytes: Tensor | None  # raw bytes for a chunk of gradient, viewed as its dtype
     free: object = None  # event: the last copy-back out of this slot is done
+    views: dict = field(default_factory=dict)  # chunk length -> its views (`_slot_views`)
 
 
 @dataclass
@@ -200,6 +201,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         # an optimizer's state dict through the GPU, which must not see gigabytes of host states.
         self._inflight_chunks = inflight_chunks
         self._offset: dict[Tensor, int] = {}
+        self._chunks: dict[Tensor, list] = {}  # param -> its chunks' host views (`_host_chunks`)
         self._allocated = False
         self._plan = _StepPlan()
         self._accumulating = False
@@ -593,20 +595,47 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             with S.on(S.update):  # small tensors: states stay on the device, nothing to stream
                 self._step_fn(p.detach(), grad, step, st["exp_avg"], st["exp_avg_sq"], None, *hyper, True, sr)
             return
-        off, n = self._offset[p], p.numel()
+        n = p.numel()
         flat_p = p.detach().view(-1)
         flat_g = None if on_host else grad.view(-1)
-        for s in range(0, n, self._slot_chunk):
-            e = min(s + self._slot_chunk, n)
-            self._update_chunk(p, off, s, e, flat_p, flat_g, grad_ready if on_host else None, step, (*hyper, sr))
+        for chunk in self._host_chunks(p):
+            self._update_chunk(chunk, flat_p, flat_g, grad_ready if on_host else None, step, (*hyper, sr))
         if not on_host:
             self._hold(S.record(S.update), n * grad.element_size())  # the gradient is freed once the update read it
 
-    def _update_chunk(self, p, off, s, e, flat_p, flat_g, host_grad_ready, step, args) -> None:
-        S, bs, n = self._streams, self.block_size, e - s
+    def _host_chunks(self, p: Tensor) -> list:
+        """`p`'s chunks: (start, end, host code rows, host scale rows, host gradient) -- views made once, since
+        indexing costs microseconds of CPU per call and the updates run from backward hooks."""
+        chunks = self._chunks.get(p)
+        if chunks is None:
+            bs, off, n = self.block_size, self._offset[p], p.numel()
+            codes, scales, grads = self._host_codes, self._host_scales, self._host_grads
+            chunks = self._chunks[p] = []
+            for s in range(0, n, self._slot_chunk):
+                e = min(s + self._slot_chunk, n)
+                a, b = off + s, off + e  # range in the flat host buffers
+                rows = slice(a // bs, b // bs)
+                chunks.append((s, e, (codes[0, a:b], codes[1, a:b]), (scales[0, rows], scales[1, rows]),
+                               None if grads is None else grads[a:b]))
+        return chunks
+
+    def _slot_views(self, slot: _Slot, n: int) -> tuple:
+        """(codes, scales, code rows, scale rows, gradient) of `slot` for a chunk of `n` values (made once per n)."""
+        views = slot.views.get(n)
+        if views is None:
+            codes, scales = slot.codes[:, :n], slot.scales[:, : n // self.block_size]
+            g = None
+            if slot.grad_bytes is not None:
+                g = slot.grad_bytes[: n * self._host_grads.element_size()].view(self._host_grads.dtype)
+            views = slot.views[n] = (codes, scales, (codes[0], codes[1]), (scales[0], scales[1]), g)
+        return views
+
+    def _update_chunk(self, chunk, flat_p, flat_g, host_grad_ready, step, args) -> None:
+        S, bs = self._streams, self.block_size
+        s, e, host_codes, host_scales, host_grad = chunk
+        n = e - s
         slot = self._slots[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self._slots)
-        a, b = off + s, off + e  # range in the flat host buffers
         # 1) H2D: the slot must be free (its last copy-back done), host states final (last step's
         #    copy-backs done), and a host gradient must have landed (its D2H done).
         if slot.free is not None:
@@ -616,32 +645,32 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             self._prev_d2h_done = None
         if host_grad_ready is not None:
             S.h2d.wait_event(host_grad_ready)
-        codes, scales = slot.codes[:, :n], slot.scales[:, : n // bs]
+        codes, scales, code_rows, scale_rows, g = self._slot_views(slot, n)
         with S.on(S.h2d):
             for k in range(2):  # row by row: a strided 2-D host copy would go through a pageable temporary
-                codes[k].copy_(self._host_codes[k, a:b], non_blocking=True)
-                scales[k].copy_(self._host_scales[k, a // bs:b // bs], non_blocking=True)
+                code_rows[k].copy_(host_codes[k], non_blocking=True)
+                scale_rows[k].copy_(host_scales[k], non_blocking=True)
             if flat_g is None:
-                g = slot.grad_bytes[: n * self._host_grads.element_size()].view(self._host_grads.dtype)
-                g.copy_(self._host_grads[a:b], non_blocking=True)
+                g.copy_(host_grad, non_blocking=True)
         loaded = S.record(S.h2d)
         self.stats["h2d_bytes"] += 2 * n + 8 * (n // bs) + (0 if flat_g is not None else g.numel() * g.element_size())
         # 2) the update, on its own stream so that backward / forward never wait for it
         S.update.wait_event(loaded)
+        whole = s == 0 and e == flat_p.numel()
         with S.on(S.update):
             if flat_g is None:
                 if self._plan.clip_coef is not None:
                     g = g * self._plan.clip_coef  # bf16 * fp32 scalar -> bf16, as clip_grad_norm_ does in place
             else:
-                g = flat_g[s:e]
-            self._chunk_fn(flat_p[s:e], g, codes, scales, *self._qmaps_dev, step, *args)
+                g = flat_g if whole else flat_g[s:e]
+            self._chunk_fn(flat_p if whole else flat_p[s:e], g, codes, scales, *self._qmaps_dev, step, *args)
         updated = S.record(S.update)
         # 3) D2H: the new states back to the host; the slot is free once this lands
         S.d2h.wait_event(updated)
         with S.on(S.d2h):
             for k in range(2):
-                self._host_codes[k, a:b].copy_(codes[k], non_blocking=True)
-                self._host_scales[k, a // bs:b // bs].copy_(scales[k], non_blocking=True)
+                host_codes[k].copy_(code_rows[k], non_blocking=True)
+                host_scales[k].copy_(scale_rows[k], non_blocking=True)
         slot.free = S.record(S.d2h)
         self.stats["d2h_bytes"] += 2 * n + 8 * (n // bs)
 
