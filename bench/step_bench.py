@@ -95,6 +95,7 @@ def main() -> None:
                     "(identical across process counts; slower to draw than on the GPU)")
     ap.add_argument("--backlog-gib", type=float, default=None,
                     help="offload_trainer: GPU gradients waiting for updates before the CPU waits (default: its own)")
+    ap.add_argument("--cpp-wrapper", action="store_true", help="offload_trainer: inductor's C++ wrapper for the update")
     ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
@@ -174,6 +175,7 @@ def main() -> None:
             opt = StreamedAdamW8bit(model.parameters(), lr=1e-5, update_in_backward=noclip,
                                     offload_gradients=(not noclip or a.accum > 1) and not a.grads_on_gpu,
                                     chunk_numel=a.chunk, sharding=shard,
+                                    compile={"cpp_wrapper": True} if a.cpp_wrapper else None,
                                     grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30))
             row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk)
             from offload_trainer.planner import PlanError, plan

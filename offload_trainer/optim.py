@@ -143,6 +143,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     Args mirror torchao `AdamW8bit`; keyword-only flags choose how the update is streamed.
     `chunk_numel` elements are staged per copy; `inflight_chunks` slots bound GPU memory in flight.
+    `compile`: compile the update (default: on CUDA); a dict is passed to `torch.compile` as inductor options.
     `grad_backlog_bytes`: GPU bytes of gradients that may wait for their update or copy to the host before the
     CPU waits for the oldest (default: twice the largest tensor's gradient, at least 1 GiB).
     """
@@ -161,7 +162,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         offload_gradients: bool = False,
         chunk_numel: int = 2**25,
         inflight_chunks: int = 4,
-        compile: bool | None = None,
+        compile: bool | dict | None = None,
         sharding: Sharding | None = None,
         grad_backlog_bytes: int | None = None,
     ) -> None:
@@ -194,8 +195,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._step_fn, self._chunk_fn = single_param_adam, adamw8bit_chunk
         if compile if compile is not None else self.device.type == "cuda":
-            self._step_fn = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
-            self._chunk_fn = torch.compile(adamw8bit_chunk, fullgraph=True, dynamic=False)
+            options = compile if isinstance(compile, dict) else None  # inductor options, e.g. {"cpp_wrapper": True}
+            self._step_fn = torch.compile(single_param_adam, fullgraph=True, dynamic=False, options=options)
+            self._chunk_fn = torch.compile(adamw8bit_chunk, fullgraph=True, dynamic=False, options=options)
 
         # Host states and GPU slots are allocated at first use, not here: accelerate's prepare() round-trips
         # an optimizer's state dict through the GPU, which must not see gigabytes of host states.

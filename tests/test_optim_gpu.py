@@ -140,3 +140,26 @@ def test_resume_mid_run_on_gpu():
     second, *_ = train(40, saved[1], saved[0], saved[2], start=20)
     got = first + second
     assert max(abs(a - b) for a, b in zip(got, full)) <= 1e-4
+
+
+def test_stream_switches_nest_and_restore():
+    """`Streams.on` (a cheap `torch.cuda.stream`) nests, re-enters the current stream, and restores on exit;
+    `Streams.compute()` is whatever stream is current (a user's stream too)."""
+    from offload_trainer.streams import Streams
+
+    S = Streams(torch.device("cuda", torch.cuda.current_device()))
+    before = torch.cuda.current_stream()
+    with S.on(S.h2d):
+        assert torch.cuda.current_stream() == S.h2d == S.compute()
+        with S.on(S.update):
+            with S.on(S.update):
+                assert torch.cuda.current_stream() == S.update
+            assert torch.cuda.current_stream() == S.update
+        assert torch.cuda.current_stream() == S.h2d
+    assert torch.cuda.current_stream() == before == S.compute()
+    user = torch.cuda.Stream()
+    with torch.cuda.stream(user):
+        assert S.compute() == user
+        with S.on(S.d2h):
+            assert torch.cuda.current_stream() == S.d2h
+        assert torch.cuda.current_stream() == user
