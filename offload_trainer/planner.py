@@ -390,10 +390,9 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
                         + f": use LoRA (peft), or a GPU with more than "
                         f"{fixed['reserved'] / GiB + machine.cuda_context_gib:.0f} GiB.")
         elif fixed["reserved"] <= gpu_usable:
-            tokens = batch * seq
-            while tokens > 8 and same_switches(batch=1, seq=tokens)["reserved"] > gpu_usable:
-                tokens //= 2
+            tokens = _most_tokens(lambda t: same_switches(batch=1, seq=t)["reserved"] <= gpu_usable, batch * seq)
             b, s = max(1, tokens // seq), min(seq, tokens)
+            tokens = b * s
             msgs.append(f"Fewer tokens per micro-batch fit: per_device_train_batch_size={b}"
                         + (f", max_seq_length={s}" if s < seq else "")
                         + f" (about {tokens} tokens; keep the tokens per step with gradient_accumulation_steps)"
@@ -407,6 +406,20 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
                        f"({2 * n / GiB:.1f} GiB less); " if lean.offload_gradients else "")
                     + ("or add RAM." if lean.lora_params else "or add RAM, or use LoRA."))
     return "no plan fits. " + " ".join(msgs)
+
+
+def _most_tokens(fits, tokens: int, step: int = 256) -> int:
+    """The largest micro-batch size in tokens, below `tokens`, for which `fits(t)`: a multiple of `step` (down to 8
+    tokens for tiny budgets). Halves until one fits, then bisects up to the `step` granularity."""
+    lo = tokens
+    while lo > 8 and not fits(lo):
+        lo //= 2
+    hi = min(2 * lo, tokens)  # lo fits (or is the floor); hi does not
+    lo_r, hi_r = lo // step, hi // step  # bisect over multiples of `step`
+    while hi_r - lo_r > 1:
+        mid = (lo_r + hi_r) // 2
+        lo_r, hi_r = (mid, hi_r) if fits(mid * step) else (lo_r, mid)
+    return max(lo, lo_r * step)
 
 
 def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_gb: float | None = None,

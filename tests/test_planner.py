@@ -1,5 +1,6 @@
 """Planner arithmetic on known shapes (figures checked by hand below) and its refusals."""
 import json
+import re
 import types
 
 import pytest
@@ -99,6 +100,17 @@ def test_refusals_say_what_to_change():
         plan(architecture_config("llama3-70b"), batch=1, seq=2048, gpu_memory_limit_gb=6, layer_swap=None)
     with pytest.raises(PlanError, match=r"per_device_train_batch_size=\d"):
         plan(architecture_config("llama3-8b"), batch=8, seq=8192, gpu_memory_limit_gb=24, max_grad_norm=0)
+    # the largest length that fits (a multiple of 256), not just a halving: 8B at 1 x 10240 under 24 GiB
+    with pytest.raises(PlanError, match=r"max_seq_length=(\d+) ") as err:
+        plan(architecture_config("llama3-8b"), batch=1, seq=10240, gpu_memory_limit_gb=24, max_grad_norm=0,
+             activation_offload=False)
+    suggested = int(re.search(r"max_seq_length=(\d+)", str(err.value)).group(1))
+    assert suggested % 256 == 0 and suggested > 8192  # 8192 fits (22.2 GiB), 10240 does not
+    plan(architecture_config("llama3-8b"), batch=1, seq=suggested, gpu_memory_limit_gb=24, max_grad_norm=0,
+         activation_offload=False)
+    with pytest.raises(PlanError):
+        plan(architecture_config("llama3-8b"), batch=1, seq=suggested + 256, gpu_memory_limit_gb=24, max_grad_norm=0,
+             activation_offload=False)
     with pytest.raises(PlanError, match=r"Host RAM: the plans that fit the GPU need 31.\d GiB .* max_grad_norm: 0"):
         plan(architecture_config("llama3-8b"), batch=4, seq=2048, gpu_memory_limit_gb=24, host_memory_gb=24)
 
