@@ -43,6 +43,11 @@ def main(paths: list[str]) -> None:
         note = r["error"] or ""
         if e.get("activation_offload"):
             note = "activation offload; " + note
+        argv = e.get("argv", "").split()
+        if "--cpp-wrapper" in argv:
+            note = "update compiled with inductor's C++ wrapper; " + note
+        if "--backlog-gib" in argv:
+            note = f"gradient backlog {argv[argv.index('--backlog-gib') + 1]} GiB (no back-pressure); " + note
         if "resident_layers" in e:
             note = (f"{e['resident_layers']}/{e['layers']} layers resident, {e['layers'] - e['resident_layers']} "
                     f"swapped, layer stall {e.get('layer_stall_ms', '-')} ms; ") + note

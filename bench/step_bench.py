@@ -30,6 +30,7 @@ import contextlib
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -124,7 +125,7 @@ def main() -> None:
                micro_batch=a.bs, grad_accum=a.accum, tokens_per_step=world * a.accum * a.bs * a.seq, tok_per_s=None,
                step_s_median=None,
                peak_alloc_gib=None, peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None,
-               extra={})
+               extra={"argv": " ".join(argv_without_output())})
     opt = swap = None
     try:
         with torch.device("cuda"):
@@ -333,6 +334,17 @@ def timed(step, with_launch: bool = False):
     torch.cuda.synchronize()
     out = (time.perf_counter() - t, round(loss.item(), 4))
     return (*out, queued) if with_launch else out
+
+
+def argv_without_output() -> list[str]:
+    """This row's command-line arguments, less where it is written (--out, --run-id)."""
+    args, skip = [], False
+    for x in sys.argv[1:]:
+        if skip or x in ("--out", "--run-id"):
+            skip = not skip
+            continue
+        args.append(x)
+    return args
 
 
 def python_profile(step, top: int = 25) -> dict:

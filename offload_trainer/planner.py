@@ -288,8 +288,11 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
         # the copy engines are busy for (states, host gradients, layers, activations) each way: the step is at
         # least as long as the busier direction
         step = max(step, h2d / (machine.h2d_gb_s * 1e9), d2h / (machine.d2h_gb_s * 1e9))
+    # updates during backward, one micro-batch: can the copies of the states keep up with backward?
+    copies_s = max(h2d / (machine.h2d_gb_s * 1e9), d2h / (machine.d2h_gb_s * 1e9))
+    outlast = not lora and not clip and accum == 1 and not swapped and copies_s > t_micro * 3 / 4
     return dict(reserved=reserved, allocated=allocated, host=host, pinned=pinned, pcie=pcie, step=step,
-                native=t_native,
+                native=t_native, copies_outlast_backward=(copies_s, t_micro * 3 / 4) if outlast else None,
                 breakdown={"weights": weights / GiB, "swap slots": swap_gpu / GiB,
                            **({"LoRA adapters + AdamW": adapters / GiB} if lora else {}),
                            "optimizer slots": (slots + update_temps) / GiB,
@@ -358,6 +361,12 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                     if accum > 1 and og:
                         p.notes.append("gradient accumulation sums gradients in pinned CPU memory: 4 bytes/param of "
                                        "PCIe traffic per micro-batch; fewer, larger micro-batches move less")
+                    if e["copies_outlast_backward"]:
+                        p.notes.append(
+                            "small micro-batch: streaming the optimizer states ({:.2f} s each way) outlasts backward "
+                            "({:.2f} s). Such steps have run up to 2.2x the predicted time (3B, 1 x 2048: 0.44-0.49 s "
+                            "measured, 0.215 s predicted; not yet explained): prefer larger micro-batches, which "
+                            "amortize the copies".format(*e["copies_outlast_backward"]))
                     if resident < L and clip and not lora_params:
                         p.notes.append("with layers swapped, exact clipping fetches each swapped layer once more "
                                        "for its update after backward: max_grad_norm: 0 avoids it")

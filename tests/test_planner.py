@@ -192,3 +192,12 @@ def test_layer_swap_keeps_as_many_layers_as_fit():
     assert p.pcie_gb_per_step == pytest.approx((2 * states + 2 * acts + 3 * swapped * layer_bytes) / 1e9)
     assert p.pinned_gib == pytest.approx((states + acts + swapped * layer_bytes) / GiB)
     assert "swapped" in p.table()
+
+
+def test_small_micro_batches_get_a_note_when_the_state_copies_outlast_backward():
+    """The step-time prediction is known to be low there (3B, 1 x 2048 measured at 2x): the plan says so."""
+    cfg = architecture_config("llama3.2-3b")
+    small = plan(cfg, batch=1, seq=2048, gpu_memory_limit_gb=12, max_grad_norm=0)
+    assert any("outlasts backward" in n for n in small.notes)
+    assert not any("outlasts backward" in n for n in plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24,
+                                                          max_grad_norm=0).notes)
