@@ -483,20 +483,27 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if host_ready is None:
             return grad_ready
         S, grad = self._streams, p.grad
-        off, n = self._offset[p], p.numel()
-        S.h2d.wait_event(host_ready)
+        total = self._host_sum_to_device(p, host_ready)
+        S.h2d.wait_event(grad_ready)
         with S.on(S.h2d):
-            total = torch.empty_like(grad)
-            total.view(-1).copy_(self._host_grads[off:off + n], non_blocking=True)
-            S.h2d.wait_event(grad_ready)
             total.add_(grad)
         S.keep_alive(grad, S.h2d)
-        S.keep_alive(total, S.compute())  # clipping scales it in place on the compute stream
-        self.stats["h2d_bytes"] += n * grad.element_size()
         p.grad = total
         self._plan.merged_params.add(p)
         self._plan.merged = S.record(S.h2d)
         return self._plan.merged
+
+    def _host_sum_to_device(self, p: Tensor, host_ready) -> Tensor:
+        """A new device tensor holding `p`'s gradient sum from the host, copied on the H2D stream once `host_ready`
+        (its last copy out) has passed. The compute stream may scale it in place later (clipping)."""
+        S, off, n = self._streams, self._offset[p], p.numel()
+        S.h2d.wait_event(host_ready)
+        with S.on(S.h2d):
+            total = torch.empty(p.shape, dtype=self._host_grads.dtype, device=self.device)
+            total.view(-1).copy_(self._host_grads[off:off + n], non_blocking=True)
+        S.keep_alive(total, S.compute())
+        self.stats["h2d_bytes"] += n * total.element_size()
+        return total
 
     def _flush_host_sums(self) -> None:
         """After backward: a tensor that got no gradient in the last micro-batch still has its sum on the host.
@@ -504,13 +511,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         S = self._streams
         for p, host_ready in list(self._host_sum.items()):
             self._host_sum.pop(p)
-            off, n = self._offset[p], p.numel()
-            S.h2d.wait_event(host_ready)
-            with S.on(S.h2d):
-                g = torch.empty(p.shape, dtype=self._host_grads.dtype, device=self.device)
-                g.view(-1).copy_(self._host_grads[off:off + n], non_blocking=True)
-            S.keep_alive(g, S.compute())
-            p.grad = g
+            p.grad = self._host_sum_to_device(p, host_ready)
             self._plan.merged = S.record(S.h2d)
         if self._plan.merged is not None:
             S.compute().wait_event(self._plan.merged)
