@@ -9,7 +9,8 @@ pytestmark = pytest.mark.slow
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_quickstart_notebook_executes(tmp_path, monkeypatch):
+def test_quickstart_notebook_executes(tmp_path, monkeypatch, smollm2_dir):
+    os.symlink(smollm2_dir, tmp_path / "smollm2-135m")  # the notebook's `example-model` finds it converted
     monkeypatch.setenv("QUICKSTART_STEPS", "8")
     monkeypatch.setenv("QUICKSTART_ROOT", os.path.join(HERE, ".."))
     monkeypatch.setenv("QUICKSTART_OUT", str(tmp_path))

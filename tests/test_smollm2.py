@@ -8,15 +8,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from offload_trainer import OffloadTrainer, OffloadTrainingArguments
 from offload_trainer.args import DataArguments, ModelArguments
 from offload_trainer.data import build_datasets
-from offload_trainer.examples import export_smollm2
 from offload_trainer.models import load_model, load_tokenizer
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory):
-    return export_smollm2(str(tmp_path_factory.mktemp("models") / "smollm2-135m"))
 
 
 def test_lora_finetune_lowers_heldout_loss_and_reloads(smollm2_dir, tmp_path):
@@ -25,9 +19,9 @@ def test_lora_finetune_lowers_heldout_loss_and_reloads(smollm2_dir, tmp_path):
     train, evald = build_datasets(DataArguments(dataset_path="builtin-sft", max_seq_length=64, eval_fraction=0.1),
                                   tok, vocab_size=len(tok))
     model = load_model(margs)
-    args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=50, per_device_train_batch_size=2,
-                                    learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=5,
-                                    logging_steps=10, save_strategy="no", report_to="none", seed=0)
+    args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=15, per_device_train_batch_size=2,
+                                    learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=2,
+                                    logging_steps=5, save_strategy="no", report_to="none", seed=0)
     trainer = OffloadTrainer(model=model, args=args, train_dataset=train, eval_dataset=evald, processing_class=tok)
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
