@@ -102,7 +102,7 @@ def main() -> None:
 
         times, losses = [], []
         for i in range(a.warmup + a.steps):
-            seconds, loss = timed(step)
+            seconds, loss, _ = timed(step)
             times.append(seconds)
             losses.append(loss)
             print(f"{system} {a.model} step {i}: {times[-1]:.3f} s loss {losses[-1]}", flush=True)

@@ -284,12 +284,12 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
                                                                                     g + st)
     if activation_offload:
         step += accum * max(0.0, host_acts / (machine.d2h_gb_s * 1e9) - t_micro / 4)  # copies beyond overlap
+    copies_s = max(h2d / (machine.h2d_gb_s * 1e9), d2h / (machine.d2h_gb_s * 1e9))  # the busier direction
     if swapped or (host_sums and host_grads):
         # the copy engines are busy for (states, host gradients, layers, activations) each way: the step is at
         # least as long as the busier direction
-        step = max(step, h2d / (machine.h2d_gb_s * 1e9), d2h / (machine.d2h_gb_s * 1e9))
+        step = max(step, copies_s)
     # updates during backward, one micro-batch: can the copies of the states keep up with backward?
-    copies_s = max(h2d / (machine.h2d_gb_s * 1e9), d2h / (machine.d2h_gb_s * 1e9))
     outlast = not lora and not clip and accum == 1 and not swapped and copies_s > t_micro * 3 / 4
     return dict(reserved=reserved, allocated=allocated, host=host, pinned=pinned, pcie=pcie, step=step,
                 native=t_native, copies_outlast_backward=(copies_s, t_micro * 3 / 4) if outlast else None,
