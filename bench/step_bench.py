@@ -38,8 +38,9 @@ import torch
 from offload_trainer.sysinfo import peak_rss_gib
 
 
-def gpu_idle_ms(step_fn) -> dict:
-    """Profile one step: time the compute stream sat idle (wall time minus the union of its kernels)."""
+def gpu_idle_ms(step_fn, trace: str | None = None) -> dict:
+    """Profile one step: time the compute stream sat idle (wall time minus the union of its kernels).
+    `trace`: also write the step's events, compactly, to this gzipped JSON file (read by bench/trace_gaps.py)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -49,10 +50,14 @@ def gpu_idle_ms(step_fn) -> dict:
         step_fn()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    events = list(prof.profiler.kineto_results.events())
     by_stream: dict[int, list[tuple[int, int]]] = {}
-    for e in prof.profiler.kineto_results.events():
+    kernels: dict[int, int] = {}
+    for e in events:
         if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0:
-            by_stream.setdefault(e.device_resource_id(), []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
+            sid = e.device_resource_id()
+            by_stream.setdefault(sid, []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
+            kernels[sid] = kernels.get(sid, 0) + (not e.name().startswith(("Memcpy", "Memset")))
 
     def union(iv):
         iv.sort()
@@ -66,13 +71,34 @@ def gpu_idle_ms(step_fn) -> dict:
         return total + ((cur_e - cur_s) if cur_e is not None else 0)
 
     busy = {sid: union(iv) / 1e6 for sid, iv in by_stream.items()}
-    main = max(busy, key=busy.get) if busy else None  # the compute stream is the busiest one
+    # the compute stream launches the most kernels (the busiest stream can be a copy stream on small batches)
+    main = max(kernels, key=kernels.get) if kernels else None
+    if trace:
+        write_trace(events, trace)
     top = sorted(prof.key_averages(), key=lambda k: k.self_cpu_time_total, reverse=True)[:10]
     return {"top_self_cpu_ms": {k.key[:60]: [k.count, round(k.self_cpu_time_total / 1e3, 1)] for k in top},
             "profiled_step_ms": round(wall * 1e3, 1),
+            "compute_stream": main,
             "compute_stream_busy_ms": round(busy.get(main, 0.0), 1),
             "gpu_idle_ms": round(wall * 1e3 - busy.get(main, 0.0), 1),
             "stream_busy_ms": {str(k): round(v, 1) for k, v in busy.items()}}
+
+
+def write_trace(events, path: str) -> None:
+    """The profiled step's events as gzipped JSON: names once, then one row per event
+    [name index, activity type index, stream or thread id, start us, duration us, correlation id]."""
+    import gzip
+
+    names: dict[str, int] = {}
+    kinds: dict[str, int] = {}
+    rows = []
+    t0 = min((e.start_ns() for e in events), default=0)
+    for e in events:
+        name, kind = e.name()[:120], str(e.activity_type())
+        rows.append([names.setdefault(name, len(names)), kinds.setdefault(kind, len(kinds)), e.device_resource_id(),
+                     round((e.start_ns() - t0) / 1e3, 2), round(e.duration_ns() / 1e3, 2), e.correlation_id()])
+    with gzip.open(path, "wt") as f:
+        json.dump({"names": list(names), "kinds": list(kinds), "events": rows}, f)
 
 
 def main() -> None:
@@ -98,6 +124,7 @@ def main() -> None:
                     help="offload_trainer: GPU gradients waiting for updates before the CPU waits (default: its own)")
     ap.add_argument("--cpp-wrapper", action="store_true", help="offload_trainer: inductor's C++ wrapper for the update")
     ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
+    ap.add_argument("--trace", default=None, help="write the profiled step's events here (gzipped JSON; any system)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -259,7 +286,8 @@ def main() -> None:
         med = statistics.median(measured)
         row.update(tok_per_s=round(row["tokens_per_step"] / med, 1), step_s_median=round(med, 4))
         # Allocator events over the timed steps (retries = the cap was hit: cached blocks freed after a device-wide
-        # sync), and how long the CPU took to queue a step (close to the step time: the step is CPU-bound)
+        # sync), and how long the CPU took to queue a step (close to the step time when the CPU is the bottleneck --
+        # or when it is held back: by a sync, or by a full kernel launch queue, as in native rows)
         row["extra"]["allocator_over_timed_steps"] = {k: v - alloc_before.get(k, 0)
                                                       for k, v in allocator_counts().items()}
         row["extra"]["cpu_queue_s_median"] = round(statistics.median(cpu_side[a.warmup:]), 4)
@@ -271,7 +299,7 @@ def main() -> None:
             before, update_stall_before = dict(opt.stats), opt.stall.total_ms()
             try:
                 if world == 1:  # (with several ranks, time one more plain step for the byte counts)
-                    row["extra"].update(gpu_idle_ms(step))
+                    row["extra"].update(gpu_idle_ms(step, a.trace))
                 else:
                     comm_before = dict(shard.stats)
                     row["extra"]["profiled_step_ms"] = round(timed(step)[0] * 1e3, 1)
@@ -292,6 +320,8 @@ def main() -> None:
             row["extra"]["update_stall_ms"] = round(opt.stall.total_ms() - update_stall_before, 1)
             if swap is not None:
                 row["extra"].update(swap_extra(swap, swap_before, layer_stall_before))
+        elif a.trace:  # other systems are profiled only when asked
+            row["extra"].update(gpu_idle_ms(step, a.trace))
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
     if world > 1:

@@ -1,0 +1,197 @@
+"""Where a profiled step's time goes: the compute stream's idle gaps, split into waiting for the CPU and waiting
+for other streams, and what the CPU was doing meanwhile.
+
+    python bench/trace_gaps.py TRACE.json.gz [--top 15] [--bin-ms 5]
+
+TRACE is written by `step_bench.py --trace` (one profiled step). For every idle gap of the compute stream (the
+stream that launches the most kernels), the kernel that ends it was launched by the CPU at some moment: the part
+of the gap before that launch is time the GPU waited for the CPU ("cpu"); the rest is time the stream waited for
+something else, an event of another stream ("dependency"). During the "cpu" parts, the CPU's own operators are
+listed by self time (the deepest operator running at each moment), so a slow hook or a blocking call shows up.
+Also: each stream's busy time and last activity, CUDA runtime calls that blocked, and a text timeline.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+from collections import defaultdict
+
+GPU_KINDS = ("kernel", "gpu_memcpy", "gpu_memset")
+RUNTIME_KINDS = ("cuda_runtime", "cuda_driver")
+
+
+def load(path: str) -> dict:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[list[float]]:
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def self_time_in(ops: list[dict], a: float, b: float, into: dict) -> None:
+    """Add to `into[name]` the self time (own time, children excluded) of each op inside [a, b]."""
+    for op in ops:
+        s, e = op["s"], op["e"]
+        if e <= a or s >= b:
+            continue
+        own = min(b, e) - max(a, s) - sum(max(0.0, min(b, c["e"]) - max(a, c["s"])) for c in op["kids"])
+        into[op["name"]] += own
+        self_time_in(op["kids"], a, b, into)
+
+
+def nest(ops: list[dict]) -> list[dict]:
+    """CPU ops of one thread into a forest (each op's children: ops that start and end inside it)."""
+    roots: list[dict] = []
+    stack: list[dict] = []
+    for op in sorted(ops, key=lambda o: (o["s"], -o["e"])):
+        while stack and op["s"] >= stack[-1]["e"]:
+            stack.pop()
+        (stack[-1]["kids"] if stack else roots).append(op)
+        stack.append(op)
+    return roots
+
+
+def analyse(trace: dict, top: int = 15, bin_ms: float = 5.0) -> dict:
+    names, kinds = trace["names"], trace["kinds"]
+    streams: dict[int, list[dict]] = defaultdict(list)
+    launches: dict[int, dict] = {}  # correlation id -> runtime call
+    runtime: list[dict] = []
+    cpu_ops: dict[int, list[dict]] = defaultdict(list)
+    for ni, ki, rid, start, dur, corr in trace["events"]:
+        kind, name = kinds[ki], names[ni]
+        ev = {"name": name, "s": start, "e": start + dur, "corr": corr, "kind": kind}
+        if kind in GPU_KINDS:
+            streams[rid].append(ev)
+        elif kind in RUNTIME_KINDS:
+            runtime.append(ev)
+            launches[corr] = ev | {"tid": rid}
+        elif kind == "cpu_op":
+            cpu_ops[rid].append(ev | {"kids": []})
+    if not streams:
+        raise SystemExit("no GPU events in this trace")
+    t_end = max(ev["e"] for evs in streams.values() for ev in evs)
+    t_end = max(t_end, max((ev["e"] for ev in runtime), default=0.0))
+    n_kernels = {sid: sum(ev["kind"] == "kernel" for ev in evs) for sid, evs in streams.items()}
+    compute = max(n_kernels, key=n_kernels.get)
+    per_stream = {}
+    for sid, evs in streams.items():
+        busy = merged([(ev["s"], ev["e"]) for ev in evs])
+        per_stream[sid] = {"role": "compute" if sid == compute else _role(evs), "events": len(evs),
+                           "busy_ms": round(sum(e - s for s, e in busy) / 1e3, 1),
+                           "first_ms": round(busy[0][0] / 1e3, 1), "last_end_ms": round(busy[-1][1] / 1e3, 1),
+                           "_busy": busy}
+
+    # gaps of the compute stream, each split at the launch of the kernel that ends it
+    kernels = sorted(streams[compute], key=lambda ev: ev["s"])
+    starts = [ev["s"] for ev in kernels]
+    busy = per_stream[compute]["_busy"]
+    gaps = []
+    edges = [(0.0, busy[0][0])] + [(busy[i][1], busy[i + 1][0]) for i in range(len(busy) - 1)]
+    for a, b in edges:
+        if b - a <= 0:
+            continue
+        nxt = kernels[bisect.bisect_left(starts, b)]
+        launch = launches.get(nxt["corr"])
+        launched = launch["e"] if launch is not None else a
+        cpu = max(0.0, min(launched, b) - a)
+        gaps.append({"start_ms": round(a / 1e3, 3), "ms": round((b - a) / 1e3, 3), "cpu_ms": round(cpu / 1e3, 3),
+                     "dependency_ms": round((b - a - cpu) / 1e3, 3), "next": nxt["name"][:80],
+                     "launch_tid": launch["tid"] if launch is not None else None, "_cpu": (a, a + cpu)})
+    tail = t_end - busy[-1][1]
+
+    # what the CPU did while the GPU waited for it (on the launching thread)
+    forests = {tid: nest(ops) for tid, ops in cpu_ops.items()}
+    during_cpu_waits: dict[str, float] = defaultdict(float)
+    for g in gaps:
+        a, b = g["_cpu"]
+        if b > a and g["launch_tid"] in forests:
+            self_time_in(forests[g["launch_tid"]], a, b, during_cpu_waits)
+    blocking = defaultdict(lambda: [0, 0.0])
+    for ev in runtime:
+        if ev["e"] - ev["s"] >= 100.0:  # >= 0.1 ms: the call waited (a sync, or a full launch queue)
+            blocking[ev["name"]][0] += 1
+            blocking[ev["name"]][1] += (ev["e"] - ev["s"]) / 1e3
+
+    def rounded(d: dict, n: int) -> dict:
+        return {k: round(v / 1e3, 2) for k, v in sorted(d.items(), key=lambda kv: -kv[1])[:n]}
+
+    for s in per_stream.values():
+        s["timeline"] = _timeline(s.pop("_busy"), t_end, bin_ms * 1e3)
+    for g in gaps:
+        g.pop("_cpu")
+    return {
+        "step_ms": round(t_end / 1e3, 1),
+        "compute_stream": compute,
+        "compute_idle_ms": round(sum(g["ms"] for g in gaps) + tail / 1e3, 1),
+        "idle_waiting_for_cpu_ms": round(sum(g["cpu_ms"] for g in gaps), 1),
+        "idle_waiting_for_other_streams_ms": round(sum(g["dependency_ms"] for g in gaps), 1),
+        "tail_after_last_compute_kernel_ms": round(tail / 1e3, 1),
+        "gaps_over_1ms": sum(g["ms"] >= 1 for g in gaps),
+        "largest_gaps": sorted(gaps, key=lambda g: -g["ms"])[:top],
+        "cpu_self_ms_while_gpu_waited": rounded(during_cpu_waits, top),
+        "blocking_runtime_calls": {k: [n, round(ms, 1)] for k, (n, ms) in
+                                   sorted(blocking.items(), key=lambda kv: -kv[1][1])[:top]},
+        "streams": per_stream,
+        "bin_ms": bin_ms,
+    }
+
+
+def _role(evs: list[dict]) -> str:
+    copies = defaultdict(int)
+    for ev in evs:
+        if ev["kind"] == "gpu_memcpy":
+            copies["h2d" if "HtoD" in ev["name"] else "d2h" if "DtoH" in ev["name"] else "copy"] += 1
+    if copies and sum(copies.values()) >= len(evs) / 2:
+        return max(copies, key=copies.get)
+    return "kernels"
+
+
+def _timeline(busy: list[list[float]], t_end: float, bin_us: float) -> str:
+    """One character per bin: how busy the stream was (' ' idle, then . : - = #)."""
+    n = max(1, int(t_end // bin_us) + 1)
+    frac = [0.0] * n
+    for s, e in busy:
+        i = int(s // bin_us)
+        while s < e and i < n:
+            edge = min(e, (i + 1) * bin_us)
+            frac[i] += (edge - s) / bin_us
+            s, i = edge, i + 1
+    return "".join(" .:-=#"[min(5, int(f * 5 + 0.999))] if f > 0 else " " for f in frac)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--bin-ms", type=float, default=5.0)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    r = analyse(load(a.trace), a.top, a.bin_ms)
+    if a.json:
+        print(json.dumps(r, indent=1))
+        return
+    print(f"step {r['step_ms']} ms; compute stream {r['compute_stream']} idle {r['compute_idle_ms']} ms: "
+          f"{r['idle_waiting_for_cpu_ms']} waiting for the CPU, {r['idle_waiting_for_other_streams_ms']} for other "
+          f"streams, {r['tail_after_last_compute_kernel_ms']} after its last kernel; {r['gaps_over_1ms']} gaps >= 1 ms")
+    print(f"timeline ({r['bin_ms']} ms per character):")
+    for sid, s in sorted(r["streams"].items(), key=lambda kv: kv[1]["role"] != "compute"):
+        print(f"  {s['role']:>8} {sid:>3} |{s['timeline']}| busy {s['busy_ms']} ms, last end {s['last_end_ms']} ms")
+    print("largest gaps (start ms, ms, cpu part, dependency part, kernel after):")
+    for g in r["largest_gaps"]:
+        print(f"  {g['start_ms']:9.3f} {g['ms']:7.3f} {g['cpu_ms']:7.3f} {g['dependency_ms']:7.3f}  {g['next']}")
+    print("CPU self time (ms) while the GPU waited for it:", r["cpu_self_ms_while_gpu_waited"])
+    print("runtime calls >= 0.1 ms (count, ms):", r["blocking_runtime_calls"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""The benchmark's trace analysis (bench/trace_gaps.py) on a hand-made trace with known gaps."""
+import gzip
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import trace_gaps  # noqa: E402
+
+
+def test_gaps_split_at_the_launch_and_cpu_time_attributed(tmp_path):
+    names = ["mm", "Memcpy HtoD (Pinned -> Device)", "cudaLaunchKernel", "AccumulateGrad", "hook"]
+    kinds = ["kernel", "gpu_memcpy", "cuda_runtime", "cpu_op"]
+    ms = 1000.0  # the trace is in microseconds
+    events = [
+        [0, 0, 7, 0 * ms, 10 * ms, 1],     # compute: 0-10, 20-30, 50-60 ms
+        [0, 0, 7, 20 * ms, 10 * ms, 2],
+        [0, 0, 7, 50 * ms, 10 * ms, 3],
+        [1, 1, 13, 0 * ms, 40 * ms, 4],    # a copy stream, busy 0-40 ms
+        [2, 2, 99, 0 * ms, 0.01 * ms, 1],  # launches: kernel 2 at 18 ms (gap 10-20: 8 ms CPU, 2 ms dependency)
+        [2, 2, 99, 17.99 * ms, 0.01 * ms, 2],
+        [2, 2, 99, 5 * ms, 0.01 * ms, 3],  # kernel 3 launched before its gap (30-50: 20 ms dependency)
+        [3, 3, 99, 9 * ms, 10 * ms, 10],   # the CPU: AccumulateGrad 9-19 ms holding a 10-17 ms hook
+        [4, 3, 99, 10 * ms, 7 * ms, 11],
+    ]
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"names": names, "kinds": kinds, "events": events}, f)
+    r = trace_gaps.analyse(trace_gaps.load(str(path)))
+    assert r["compute_stream"] == 7 and r["streams"][13]["role"] == "h2d"
+    assert r["idle_waiting_for_cpu_ms"] == 8.0
+    assert r["idle_waiting_for_other_streams_ms"] == 22.0
+    assert r["compute_idle_ms"] == 30.0 and r["gaps_over_1ms"] == 2
+    assert r["cpu_self_ms_while_gpu_waited"] == {"hook": 7.0, "AccumulateGrad": 1.0}
+    assert r["streams"][7]["busy_ms"] == 30.0 and r["streams"][13]["last_end_ms"] == 40.0
+    assert r["streams"][7]["timeline"][:3] == "## " and len(r["streams"][7]["timeline"]) == 13
