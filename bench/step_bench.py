@@ -84,6 +84,19 @@ def gpu_idle_ms(step_fn, trace: str | None = None) -> dict:
             "stream_busy_ms": {str(k): round(v, 1) for k, v in busy.items()}}
 
 
+def _activity(e) -> str:
+    """kineto's activity type (`kernel`, `gpu_memcpy`, `cuda_runtime`, `cpu_op`...); told from the device and name
+    where torch does not expose it (2.11)."""
+    if hasattr(e, "activity_type"):
+        return str(e.activity_type())
+    from torch.autograd import DeviceType
+
+    name = e.name()
+    if e.device_type() == DeviceType.CUDA:
+        return "gpu_memcpy" if name.startswith("Memcpy") else "gpu_memset" if name.startswith("Memset") else "kernel"
+    return "cuda_runtime" if name.startswith("cu") and "::" not in name else "cpu_op"
+
+
 def write_trace(events, path: str) -> None:
     """The profiled step's events as gzipped JSON: names once, then one row per event
     [name index, activity type index, stream or thread id, start us, duration us, correlation id]."""
@@ -94,7 +107,7 @@ def write_trace(events, path: str) -> None:
     rows = []
     t0 = min((e.start_ns() for e in events), default=0)
     for e in events:
-        name, kind = e.name()[:120], str(e.activity_type())
+        name, kind = e.name()[:120], _activity(e)
         rows.append([names.setdefault(name, len(names)), kinds.setdefault(kind, len(kinds)), e.device_resource_id(),
                      round((e.start_ns() - t0) / 1e3, 2), round(e.duration_ns() / 1e3, 2), e.correlation_id()])
     with gzip.open(path, "wt") as f:
