@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--backlog-gib", type=float, default=None,
                     help="offload_trainer: GPU gradients waiting for updates before the CPU waits (default: its own)")
     ap.add_argument("--cpp-wrapper", action="store_true", help="offload_trainer: inductor's C++ wrapper for the update")
+    ap.add_argument("--no-launch-thread", action="store_true",
+                    help="offload_trainer: queue updates from the backward thread (the launch thread is the default)")
     ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
     ap.add_argument("--trace", default=None, help="write the profiled step's events here (gzipped JSON; any system)")
     ap.add_argument("--out", default=None)
@@ -217,7 +219,8 @@ def main() -> None:
                                     offload_gradients=(not noclip or a.accum > 1) and not a.grads_on_gpu,
                                     chunk_numel=a.chunk, sharding=shard,
                                     compile={"cpp_wrapper": True} if a.cpp_wrapper else None,
-                                    grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30))
+                                    grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30),
+                                    launch_thread=False if a.no_launch_thread else None)
             row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk)
             from offload_trainer.planner import PlanError, plan
 
@@ -309,6 +312,7 @@ def main() -> None:
         if swap is not None:
             swap_before, layer_stall_before = dict(swap.stats), swap.stall.total_ms()
         if isinstance(opt, StreamedAdamW8bit):
+            row["extra"]["launch_thread"] = opt._launcher is not None
             before, update_stall_before = dict(opt.stats), opt.stall.total_ms()
             try:
                 if world == 1:  # (with several ranks, time one more plain step for the byte counts)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +42,7 @@ from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quant
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
 from .distributed import Sharding
-from .streams import StallMeter, Streams, pinned_empty
+from .streams import LaunchThread, StallMeter, Streams, pinned_empty
 
 __all__ = ["StreamedAdamW8bit", "forward_units"]
 
@@ -146,6 +147,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     `compile`: compile the update (default: on CUDA); a dict is passed to `torch.compile` as inductor options.
     `grad_backlog_bytes`: GPU bytes of gradients that may wait for their update or copy to the host before the
     CPU waits for the oldest (default: twice the largest tensor's gradient, at least 1 GiB).
+    `launch_thread`: with `update_in_backward`, queue the copies and updates from a thread of their own, so that
+    the thread running backward only hands gradients over (default: on CUDA, without data parallel or layer swap).
     """
 
     def __init__(
@@ -165,6 +168,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         compile: bool | dict | None = None,
         sharding: Sharding | None = None,
         grad_backlog_bytes: int | None = None,
+        launch_thread: bool | None = None,
     ) -> None:
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}")
@@ -179,6 +183,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self.offload_gradients = offload_gradients
         self.chunk_numel = chunk_numel
         self.grad_backlog_bytes = grad_backlog_bytes
+        self.launch_thread = launch_thread
 
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not self._params:
@@ -219,6 +224,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._held: collections.deque = collections.deque()  # (event, GPU gradient bytes freed when it has passed)
         self._held_bytes = 0
         self._residency = _always_resident
+        self._launcher: LaunchThread | None = None  # started at the first update in backward, where it applies
         self._skip = False
         self.stall = StallMeter(self._streams)  # forward waiting for a layer's update
         self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "updates": 0}
@@ -320,6 +326,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         return _Handle(self)
 
     def detach(self) -> None:
+        self._drain()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -329,6 +336,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def _make_wait_hook(self, unit: int):
         def hook(module, args):
             # The forward of this unit reads weights that the update stream may still be writing.
+            self._drain()  # (a forward right after backward, without step(): its updates must be queued first)
             self.stall.wait(self._streams.compute(), self._unit_event.get(unit))
 
         return hook
@@ -385,6 +393,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             return
         self._ensure_states()
         S = self._streams
+        if self._launches_elsewhere():
+            grad, ready = p.grad, S.record(S.compute())
+            p.grad = None  # (held by the queued call until its update has been queued)
+            self._launcher.submit(self._update_launched, p, grad, ready, nbytes=grad.numel() * grad.element_size())
+            return
         if self._shard is not None:
             ready = self._reduce(p)
             if ready is None:  # another rank owns p: its new weights come from there
@@ -404,6 +417,34 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             self._publish(p)
         elif self.offload_gradients and p in self._offset:
             self._plan.host_grad_ready[p] = self._offload_grad(p, ready)
+
+    def _launches_elsewhere(self) -> bool:
+        """Whether updates in backward are queued from the launch thread (started here at first use)."""
+        if self._launcher is not None:
+            return True
+        wanted = self.launch_thread if self.launch_thread is not None else self._streams.is_cuda
+        if not (wanted and self.update_in_backward and self._shard is None and self._residency is _always_resident):
+            return False
+        self._launcher = LaunchThread(self.device, self._held_limit)
+        weakref.finalize(self, self._launcher.close)
+        return True
+
+    def _update_launched(self, p: Tensor, grad: Tensor, grad_ready) -> None:
+        """On the launch thread: what `_on_grad_ready` does for an update in backward, the gradient handed over.
+        Streams are per thread: every wait here is on an event, and the norm is measured on the update stream."""
+        S = self._streams
+        p.grad = grad
+        ready = self._add_host_sum(p, grad_ready)
+        S.update.wait_event(ready)
+        self._measure_norm(p, S.update)
+        self._update_param(p, ready)
+        self._plan.updated.add(p)
+        self._publish(p)
+
+    def _drain(self) -> None:
+        """Wait until the launch thread has queued every update handed to it (not until they ran)."""
+        if self._launcher is not None:
+            self._launcher.drain()
 
     def _measure_norm(self, p: Tensor, stream) -> None:
         """Queue `p.grad`'s norm on the stream that made the gradient (`stream`, or the H2D stream where a host sum
@@ -684,6 +725,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         device and those waiting on the host. Call after backward, before `step()`. Returns the norm."""
         if norm_type != 2.0:
             raise ValueError("only the L2 norm (norm_type=2) is supported")
+        self._drain()
         if self._plan.updated and math.isfinite(max_norm):
             raise RuntimeError(
                 "updates already ran during backward (update_in_backward=True), so gradients cannot be "
@@ -739,6 +781,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._drain()
         if self._skip:  # weights and states stay as they are; gradients (device or host) are dropped
             self._skip = False
             for p in self._params:
@@ -783,6 +826,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._plan = _StepPlan()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._drain()
         super().zero_grad(set_to_none)
         self._plan = _StepPlan()
         self._host_sum.clear()  # gradients accumulated on the host are dropped with the others
@@ -790,6 +834,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Block until every queued copy and update is done (before reading weights or states on the host)."""
+        self._drain()
         S = self._streams
         if S.is_cuda:
             S.compute().wait_stream(S.update)

@@ -72,6 +72,10 @@ MODES = {
     "hooks_grads_on_device_clip": (dict(), True, 0.5),
     "update_in_backward": (dict(update_in_backward=True), True, 0.0),
     "update_in_backward_offload_grads": (dict(update_in_backward=True, offload_gradients=True), True, 0.0),
+    # the same, the copies and updates queued from the launch thread (the default on CUDA)
+    "update_in_backward_thread": (dict(update_in_backward=True, launch_thread=True), True, 0.0),
+    "update_in_backward_offload_grads_thread": (dict(update_in_backward=True, offload_gradients=True,
+                                                     launch_thread=True), True, 0.0),
 }
 
 
@@ -91,7 +95,8 @@ def test_matches_torchao_adamw8bit_cpu(mode):
     assert rel_l2(ref, ours) == 0.0  # same eager arithmetic on CPU: bit-identical
 
 
-@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward_offload_grads"])
+@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward_offload_grads",
+                                  "update_in_backward_offload_grads_thread"])
 def test_accumulation_on_the_host_is_bit_identical(mode):
     """4 micro-batches (first, two middle, last) summed in pinned host memory = autograd's sum on the device."""
     kw, attach, max_norm = MODES[mode]
@@ -123,6 +128,44 @@ def test_accumulated_gradients_wait_on_the_host_between_micro_batches():
     ours.zero_grad()
     opt.zero_grad()
     assert not opt._host_sum  # zero_grad drops what waited on the host
+
+
+def test_launch_thread_queues_the_updates_and_ends_with_the_optimizer():
+    import gc
+    import threading
+
+    _, _, ours, opt = make_pair("cpu", update_in_backward=True, launch_thread=True)
+    opt.attach(ours)
+    threads = []
+    original = [opt._update_chunk]
+    opt._update_chunk = lambda *a: (threads.append(threading.current_thread().name), original[0](*a))
+    ours.loss(torch.randint(0, 128, (2, 9))).backward()
+    assert float(opt.clip_grad_norm_(float("inf"))) > 0  # norms measured on the launch thread are there
+    opt.step()
+    assert threads and set(threads) == {"offload-trainer-launch"}
+    thread = opt._launcher._thread
+    opt.zero_grad()
+    opt.detach()
+    original.clear()
+    del opt
+    gc.collect()
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+
+def test_an_error_on_the_launch_thread_is_raised_on_the_callers_thread():
+    """By the next hand-over of a gradient (in backward) or at the latest by step()."""
+    _, _, ours, opt = make_pair("cpu", update_in_backward=True, launch_thread=True)
+    opt.attach(ours)
+
+    def broken(*args):
+        raise ValueError("boom")
+
+    opt._update_chunk = broken
+    with pytest.raises(RuntimeError, match="launch thread failed") as e:
+        ours.loss(torch.randint(0, 128, (2, 9))).backward()
+        opt.step()
+    assert isinstance(e.value.__cause__, ValueError)
 
 
 def test_state_dict_is_torchao_layout_and_round_trips():

@@ -16,6 +16,8 @@ MODES = {
     "offload_grads_clip": (dict(offload_gradients=True), 0.5),
     "grads_on_gpu_clip": (dict(), 0.5),
     "update_in_backward_offload_grads": (dict(update_in_backward=True, offload_gradients=True), 0.0),
+    # updates in backward default to the launch thread on CUDA; the same from the backward thread:
+    "update_in_backward_same_thread": (dict(update_in_backward=True, launch_thread=False), 0.0),
 }
 
 
@@ -96,9 +98,10 @@ def test_thin_wide_accumulation_on_the_host(mode):
     opt.zero_grad()
 
 
-def test_thin_wide_without_syncs_diverges(monkeypatch):
+@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward"])
+def test_thin_wide_without_syncs_diverges(monkeypatch, mode):
     """Negative control for the test above: with every stream wait_event removed, it must fail."""
-    kw, max_norm = MODES["offload_grads_clip"]
+    kw, max_norm = MODES[mode]
     ref, ref_opt, ours, opt = pair(THIN_WIDE, torch.float32, lr=THIN_LR, chunk_numel=1 << 22, **kw)
     start = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
     run(ref, ref_opt, steps=10, accum=1, max_norm=max_norm, seed=2, streamed=False, device="cuda")
