@@ -48,9 +48,8 @@ def main(paths: list[str]) -> None:
             note = "update compiled with inductor's C++ wrapper; " + note
         if "--backlog-gib" in argv:
             note = f"gradient backlog {argv[argv.index('--backlog-gib') + 1]} GiB (no back-pressure); " + note
-        if "launch_thread" in e:  # rows from 2026-11-30 s14 on; earlier rows queued updates from backward's thread
-            note = ("updates queued from the launch thread; " if e["launch_thread"] else
-                    "updates queued from backward's thread; ") + note
+        if e.get("launch_thread"):  # (rows without it queued the updates from backward's thread)
+            note = "updates queued from the launch thread; " + note
         if "resident_layers" in e:
             note = (f"{e['resident_layers']}/{e['layers']} layers resident, {e['layers'] - e['resident_layers']} "
                     f"swapped, layer stall {e.get('layer_stall_ms', '-')} ms; ") + note

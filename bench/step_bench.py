@@ -136,8 +136,8 @@ def main() -> None:
     ap.add_argument("--backlog-gib", type=float, default=None,
                     help="offload_trainer: GPU gradients waiting for updates before the CPU waits (default: its own)")
     ap.add_argument("--cpp-wrapper", action="store_true", help="offload_trainer: inductor's C++ wrapper for the update")
-    ap.add_argument("--no-launch-thread", action="store_true",
-                    help="offload_trainer: queue updates from the backward thread (the launch thread is the default)")
+    ap.add_argument("--launch-thread", action="store_true",
+                    help="offload_trainer: queue updates in backward from a thread of their own (launch_thread=True)")
     ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
     ap.add_argument("--trace", default=None, help="write the profiled step's events here (gzipped JSON; any system)")
     ap.add_argument("--out", default=None)
@@ -220,7 +220,7 @@ def main() -> None:
                                     chunk_numel=a.chunk, sharding=shard,
                                     compile={"cpp_wrapper": True} if a.cpp_wrapper else None,
                                     grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30),
-                                    launch_thread=False if a.no_launch_thread else None)
+                                    launch_thread=a.launch_thread)
             row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk)
             from offload_trainer.planner import PlanError, plan
 

@@ -163,10 +163,10 @@ class StallMeter:
 
 
 class LaunchThread:
-    """A thread that runs queued calls in order: the streamed optimizer's copies and updates are queued from it, so
-    the thread running backward only hands each gradient over and goes on launching backward's kernels (the hand-over
-    is ~10 us; queuing one tensor's copies and update costs ~0.5 ms of Python). Kernel launches release the GIL, so
-    the two threads overlap.
+    """A thread that runs queued calls in order: the streamed optimizer's copies and updates can be queued from it, so
+    the thread running backward only hands each gradient over and goes on launching backward's kernels (queuing one
+    tensor's copies and update costs ~0.5-1 ms of Python, profiled). Kernel launches release the GIL, so the two
+    threads overlap, except where both run Python.
 
     `submit(fn, *args, nbytes=n)`: waits first while more than `limit_bytes` of submitted work is not done (the
     gradients it holds are GPU memory). `drain()`: waits until everything submitted has run, and re-raises the first

@@ -72,7 +72,7 @@ MODES = {
     "hooks_grads_on_device_clip": (dict(), True, 0.5),
     "update_in_backward": (dict(update_in_backward=True), True, 0.0),
     "update_in_backward_offload_grads": (dict(update_in_backward=True, offload_gradients=True), True, 0.0),
-    # the same, the copies and updates queued from the launch thread (the default on CUDA)
+    # the same, the copies and updates queued from the launch thread (launch_thread=True)
     "update_in_backward_thread": (dict(update_in_backward=True, launch_thread=True), True, 0.0),
     "update_in_backward_offload_grads_thread": (dict(update_in_backward=True, offload_gradients=True,
                                                      launch_thread=True), True, 0.0),

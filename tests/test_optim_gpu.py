@@ -16,8 +16,8 @@ MODES = {
     "offload_grads_clip": (dict(offload_gradients=True), 0.5),
     "grads_on_gpu_clip": (dict(), 0.5),
     "update_in_backward_offload_grads": (dict(update_in_backward=True, offload_gradients=True), 0.0),
-    # updates in backward default to the launch thread on CUDA; the same from the backward thread:
-    "update_in_backward_same_thread": (dict(update_in_backward=True, launch_thread=False), 0.0),
+    # the same, the copies and updates queued from the launch thread:
+    "update_in_backward_launch_thread": (dict(update_in_backward=True, launch_thread=True), 0.0),
 }
 
 
@@ -98,7 +98,7 @@ def test_thin_wide_accumulation_on_the_host(mode):
     opt.zero_grad()
 
 
-@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward"])
+@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward_launch_thread"])
 def test_thin_wide_without_syncs_diverges(monkeypatch, mode):
     """Negative control for the test above: with every stream wait_event removed, it must fail."""
     kw, max_norm = MODES[mode]
