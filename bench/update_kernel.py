@@ -1,0 +1,119 @@
+"""GPU time of one streamed 8-bit AdamW chunk update, in variants: where the update's GPU time goes.
+
+    python bench/update_kernel.py [--numel 25165824] [--iters 20] [--out rows.jsonl]
+
+The states are on the GPU already (no PCIe): this times only the update kernels, which share the GPU with backward
+when updates run during backward. Variants:
+  ours             offload_trainer.optim.adamw8bit_chunk, compiled as the optimizer compiles it
+  ours_no_guard    the same without the non-finite guard (plain copies into codes, scales and weights)
+  ours_no_sr       bf16_stochastic_round=False
+  ours_autotuned   inductor option coordinate_descent_tuning
+  torchao          torchao's single_param_adam on two OptimState8bit (what torchao AdamW8bit runs per tensor)
+  torch_fused_bf16 torch._fused_adamw_ on bf16 weights and states (what the native rows run), for scale
+Prints one JSON line per variant: ms per call, ps per element, kernels per call.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from torchao.optim.adam import single_param_adam
+from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
+from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
+
+from offload_trainer.optim import adamw8bit_chunk
+
+
+def no_guard(p, grad, codes, scales, qmap_signed, qmap_unsigned, step, lr, beta1, beta2, weight_decay, eps, sr):
+    """adamw8bit_chunk without the per-block non-finite guard (torchao's single_param_adam, plain tensors)."""
+    block = codes.shape[1] // scales.shape[1]
+    p_f32 = p.float()
+    grad_f32 = grad.float()
+    p_f32 = p_f32 - lr * weight_decay * p_f32
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    exp_avg_f32 = dequant_with_qmap(codes[0], qmap_signed, scales[0]).lerp(grad_f32, 1 - beta1)
+    exp_avg_sq_f32 = dequant_with_qmap(codes[1], qmap_unsigned, scales[1]).lerp(grad_f32.square(), 1 - beta2)
+    for k, (x, qmap) in enumerate(((exp_avg_f32, qmap_signed), (exp_avg_sq_f32, qmap_unsigned))):
+        scaled, scale = scale_tensor(x, block)
+        codes[k].copy_(quantize_8bit_with_qmap(scaled, qmap))
+        scales[k].copy_(scale)
+    denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
+    p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
+    p.copy_(_fp32_to_bf16_sr(p_f32) if sr else p_f32.to(p.dtype))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--numel", type=int, default=3072 * 8192)  # a Llama-3.2-3B MLP weight
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--only", default=None, help="comma-separated variants")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    n, bs, dev = a.numel, 256, "cuda"
+    torch.manual_seed(0)
+    p = torch.randn(n, device=dev, dtype=torch.bfloat16) * 0.02
+    grad = torch.randn(n, device=dev, dtype=torch.bfloat16) * 1e-3
+    codes = torch.randint(0, 256, (2, n), device=dev, dtype=torch.uint8)
+    scales = torch.rand(2, n // bs, device=dev) * 1e-3
+    qmaps = [torch.tensor(get_qmap_signed(), device=dev), torch.tensor(get_qmap_unsigned(), device=dev)]
+    step, lr = torch.tensor(10.0), torch.tensor(1e-5)
+    hyper = (lr, 0.9, 0.999, 0.01, 1e-8)
+    states = [OptimState8bit(codes[k].clone(), scales[k].clone(), qmaps[k], signed, dtype=torch.bfloat16)
+              for k, signed in enumerate((True, False))]
+    native = [p.clone(), torch.zeros_like(p), torch.zeros_like(p), torch.tensor(10.0, device=dev)]
+
+    def compiled(fn, **options):
+        return torch.compile(fn, fullgraph=True, dynamic=False, options=options or None)
+
+    chunk = compiled(adamw8bit_chunk)
+    variants = {
+        "ours": lambda: chunk(p, grad, codes, scales, *qmaps, step, *hyper, True),
+        "ours_no_guard": (lambda f: lambda: f(p, grad, codes, scales, *qmaps, step, *hyper, True))(compiled(no_guard)),
+        "ours_no_sr": lambda: chunk(p, grad, codes, scales, *qmaps, step, *hyper, False),
+        "ours_autotuned": (lambda f: lambda: f(p, grad, codes, scales, *qmaps, step, *hyper, True))(
+            compiled(adamw8bit_chunk, coordinate_descent_tuning=True)),
+        "torchao": (lambda f: lambda: f(p, grad, step, states[0], states[1], None, *hyper, True, True))(
+            compiled(single_param_adam)),
+        "torch_fused_bf16": lambda: torch._fused_adamw_([native[0]], [grad], [native[1]], [native[2]], [], [native[3]],
+                                                        lr=1e-5, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
+                                                        amsgrad=False, maximize=False),
+    }
+    wanted = a.only.split(",") if a.only else list(variants)
+    for name in wanted:
+        fn = variants[name]
+        try:
+            for _ in range(3):  # compile + warm up
+                fn()
+        except Exception as e:  # one variant failing to compile must not lose the others
+            print(json.dumps({"variant": name, "error": repr(e)[:300]}), flush=True)
+            continue
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(a.iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end) / a.iters
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        kernels = {}
+        for e in prof.key_averages():
+            if e.device_time_total > 0:
+                kernels[e.key[:70]] = round(e.device_time_total / 1e3, 3)
+        row = {"variant": name, "numel": n, "ms_per_call": round(ms, 3), "ps_per_element": round(ms * 1e9 / n, 1),
+               "kernel_ms": kernels, "commit": os.environ.get("COMMIT", "unknown"), "gpu": torch.cuda.get_device_name()}
+        print(json.dumps(row), flush=True)
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
