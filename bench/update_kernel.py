@@ -4,12 +4,15 @@
 
 The states are on the GPU already (no PCIe): this times only the update kernels, which share the GPU with backward
 when updates run during backward. Variants:
-  ours             offload_trainer.optim.adamw8bit_chunk, compiled as the optimizer compiles it
-  ours_no_guard    the same without the non-finite guard (plain copies into codes, scales and weights)
-  ours_no_sr       bf16_stochastic_round=False
-  ours_autotuned   inductor option coordinate_descent_tuning
-  torchao          torchao's single_param_adam on two OptimState8bit (what torchao AdamW8bit runs per tensor)
-  torch_fused_bf16 torch._fused_adamw_ on bf16 weights and states (what the native rows run), for scale
+  ours                     offload_trainer.optim.adamw8bit_chunk, compiled as the optimizer compiles it (int32 codes
+                           in the quantizer's binary search, no bounds asserts on its table lookups)
+  ours_asserts             the same with inductor's bounds asserts (assert_indirect_indexing)
+  ours_torchao_quant       with torchao's quantize_8bit_with_qmap (int64 codes)
+  ours_torchao_quant_asserts  both: the update as it was before these options
+  ours_multi_kernel        inductor option triton.multi_kernel (persistent and looped reductions, picked at run time)
+  ours_no_guard            without the non-finite guard (plain copies into codes, scales and weights)
+  torchao                  torchao's single_param_adam on two OptimState8bit (what torchao AdamW8bit runs per tensor)
+  torch_fused_bf16         torch._fused_adamw_ on bf16 weights and states (what the native rows run), for scale
 Prints one JSON line per variant: ms per call, ps per element, kernels per call.
 """
 from __future__ import annotations
@@ -23,7 +26,7 @@ from torchao.optim.adam import single_param_adam
 from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
-from offload_trainer.optim import adamw8bit_chunk
+from offload_trainer.optim import adamw8bit_chunk, compile_update, quantize_8bit_i32
 
 
 def no_guard(p, grad, codes, scales, qmap_signed, qmap_unsigned, step, lr, beta1, beta2, weight_decay, eps, sr):
@@ -38,11 +41,15 @@ def no_guard(p, grad, codes, scales, qmap_signed, qmap_unsigned, step, lr, beta1
     exp_avg_sq_f32 = dequant_with_qmap(codes[1], qmap_unsigned, scales[1]).lerp(grad_f32.square(), 1 - beta2)
     for k, (x, qmap) in enumerate(((exp_avg_f32, qmap_signed), (exp_avg_sq_f32, qmap_unsigned))):
         scaled, scale = scale_tensor(x, block)
-        codes[k].copy_(quantize_8bit_with_qmap(scaled, qmap))
+        codes[k].copy_(quantize_8bit_i32(scaled, qmap))
         scales[k].copy_(scale)
     denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
     p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
     p.copy_(_fp32_to_bf16_sr(p_f32) if sr else p_f32.to(p.dtype))
+
+
+def torchao_quant(*args):
+    return adamw8bit_chunk(*args, quantize=quantize_8bit_with_qmap)
 
 
 def main() -> None:
@@ -65,18 +72,20 @@ def main() -> None:
               for k, signed in enumerate((True, False))]
     native = [p.clone(), torch.zeros_like(p), torch.zeros_like(p), torch.tensor(10.0, device=dev)]
 
-    def compiled(fn, **options):
-        return torch.compile(fn, fullgraph=True, dynamic=False, options=options or None)
+    asserts = {"assert_indirect_indexing": True}
 
-    chunk = compiled(adamw8bit_chunk)
+    def call(fn, sr=True):
+        return lambda: fn(p, grad, codes, scales, *qmaps, step, *hyper, sr)
+
     variants = {
-        "ours": lambda: chunk(p, grad, codes, scales, *qmaps, step, *hyper, True),
-        "ours_no_guard": (lambda f: lambda: f(p, grad, codes, scales, *qmaps, step, *hyper, True))(compiled(no_guard)),
-        "ours_no_sr": lambda: chunk(p, grad, codes, scales, *qmaps, step, *hyper, False),
-        "ours_autotuned": (lambda f: lambda: f(p, grad, codes, scales, *qmaps, step, *hyper, True))(
-            compiled(adamw8bit_chunk, coordinate_descent_tuning=True)),
+        "ours": call(compile_update(adamw8bit_chunk)),
+        "ours_asserts": call(compile_update(adamw8bit_chunk, asserts)),
+        "ours_torchao_quant": call(compile_update(torchao_quant)),
+        "ours_torchao_quant_asserts": call(compile_update(torchao_quant, asserts)),
+        "ours_multi_kernel": call(compile_update(adamw8bit_chunk, {"triton.multi_kernel": 1})),
+        "ours_no_guard": call(compile_update(no_guard)),
         "torchao": (lambda f: lambda: f(p, grad, step, states[0], states[1], None, *hyper, True, True))(
-            compiled(single_param_adam)),
+            torch.compile(single_param_adam, fullgraph=True, dynamic=False)),
         "torch_fused_bf16": lambda: torch._fused_adamw_([native[0]], [grad], [native[1]], [native[2]], [], [native[3]],
                                                         lr=1e-5, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8,
                                                         amsgrad=False, maximize=False),
