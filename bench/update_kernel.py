@@ -3,16 +3,19 @@
     python bench/update_kernel.py [--numel 25165824] [--iters 20] [--out rows.jsonl]
 
 The states are on the GPU already (no PCIe): this times only the update kernels, which share the GPU with backward
-when updates run during backward. Variants:
-  ours                     offload_trainer.optim.adamw8bit_chunk, compiled as the optimizer compiles it (int32 codes
-                           in the quantizer's binary search, no bounds asserts on its table lookups)
-  ours_asserts             the same with inductor's bounds asserts (assert_indirect_indexing)
-  ours_torchao_quant       with torchao's quantize_8bit_with_qmap (int64 codes)
-  ours_torchao_quant_asserts  both: the update as it was before these options
-  ours_multi_kernel        inductor option triton.multi_kernel (persistent and looped reductions, picked at run time)
-  ours_no_guard            without the non-finite guard (plain copies into codes, scales and weights)
-  torchao                  torchao's single_param_adam on two OptimState8bit (what torchao AdamW8bit runs per tensor)
-  torch_fused_bf16         torch._fused_adamw_ on bf16 weights and states (what the native rows run), for scale
+when updates run during backward. Runs 20261130-s14e (commit 8cfc4ec) and -s14f (c5c226b, where the int32 quantizer
+without asserts was the default) named the variants differently: in s14f "ours" = ours_int32_no_asserts,
+"ours_asserts" = ours_int32, "ours_torchao_quant" = ours_no_asserts, "ours_torchao_quant_asserts" = ours. Variants:
+  ours                  offload_trainer.optim.adamw8bit_chunk, compiled as the optimizer compiles it
+  ours_no_asserts       without inductor's bounds asserts on the quantizer's table lookups (assert_indirect_indexing)
+  ours_int32            torchao's binary-search quantizer rewritten with int32 codes (the same codes)
+  ours_int32_no_asserts both
+  ours_multi_kernel     inductor option triton.multi_kernel (persistent and looped reductions, picked at run time)
+  ours_autotuned        inductor option coordinate_descent_tuning
+  ours_no_guard         without the non-finite guard (plain copies into codes, scales and weights)
+  ours_no_sr            bf16_stochastic_round=False
+  torchao               torchao's single_param_adam on two OptimState8bit (what torchao AdamW8bit runs per tensor)
+  torch_fused_bf16      torch._fused_adamw_ on bf16 weights and states (what the native rows run), for scale
 Prints one JSON line per variant: ms per call, ps per element, kernels per call.
 """
 from __future__ import annotations
@@ -26,7 +29,17 @@ from torchao.optim.adam import single_param_adam
 from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
-from offload_trainer.optim import adamw8bit_chunk, compile_update, quantize_8bit_i32
+from offload_trainer.optim import adamw8bit_chunk, compile_update
+
+
+def quantize_8bit_i32(input, qmap):
+    """torchao's quantize_8bit_with_qmap with int32 codes: the same binary search and rounding, the same codes."""
+    codes = (input >= qmap[128]).int() * 128
+    for half in (64, 32, 16, 8, 4, 2, 1):
+        codes += (input >= qmap[codes + half]).int() * half
+    codes_up = (codes + 1).clip(max=255)
+    val_down, val_up = qmap[codes], qmap[codes_up]
+    return torch.where(input - val_down >= (val_up - val_down) * 0.5, codes_up, codes).to(torch.uint8)
 
 
 def no_guard(p, grad, codes, scales, qmap_signed, qmap_unsigned, step, lr, beta1, beta2, weight_decay, eps, sr):
@@ -41,15 +54,15 @@ def no_guard(p, grad, codes, scales, qmap_signed, qmap_unsigned, step, lr, beta1
     exp_avg_sq_f32 = dequant_with_qmap(codes[1], qmap_unsigned, scales[1]).lerp(grad_f32.square(), 1 - beta2)
     for k, (x, qmap) in enumerate(((exp_avg_f32, qmap_signed), (exp_avg_sq_f32, qmap_unsigned))):
         scaled, scale = scale_tensor(x, block)
-        codes[k].copy_(quantize_8bit_i32(scaled, qmap))
+        codes[k].copy_(quantize_8bit_with_qmap(scaled, qmap))
         scales[k].copy_(scale)
     denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
     p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
     p.copy_(_fp32_to_bf16_sr(p_f32) if sr else p_f32.to(p.dtype))
 
 
-def torchao_quant(*args):
-    return adamw8bit_chunk(*args, quantize=quantize_8bit_with_qmap)
+def int32_quant(*args):
+    return adamw8bit_chunk(*args, quantize=quantize_8bit_i32)
 
 
 def main() -> None:
@@ -72,18 +85,20 @@ def main() -> None:
               for k, signed in enumerate((True, False))]
     native = [p.clone(), torch.zeros_like(p), torch.zeros_like(p), torch.tensor(10.0, device=dev)]
 
-    asserts = {"assert_indirect_indexing": True}
+    no_asserts = {"assert_indirect_indexing": False}
 
     def call(fn, sr=True):
         return lambda: fn(p, grad, codes, scales, *qmaps, step, *hyper, sr)
 
     variants = {
         "ours": call(compile_update(adamw8bit_chunk)),
-        "ours_asserts": call(compile_update(adamw8bit_chunk, asserts)),
-        "ours_torchao_quant": call(compile_update(torchao_quant)),
-        "ours_torchao_quant_asserts": call(compile_update(torchao_quant, asserts)),
+        "ours_no_asserts": call(compile_update(adamw8bit_chunk, no_asserts)),
+        "ours_int32": call(compile_update(int32_quant)),
+        "ours_int32_no_asserts": call(compile_update(int32_quant, no_asserts)),
         "ours_multi_kernel": call(compile_update(adamw8bit_chunk, {"triton.multi_kernel": 1})),
+        "ours_autotuned": call(compile_update(adamw8bit_chunk, {"coordinate_descent_tuning": True})),
         "ours_no_guard": call(compile_update(no_guard)),
+        "ours_no_sr": call(compile_update(adamw8bit_chunk), sr=False),
         "torchao": (lambda f: lambda: f(p, grad, step, states[0], states[1], None, *hyper, True, True))(
             torch.compile(single_param_adam, fullgraph=True, dynamic=False)),
         "torch_fused_bf16": lambda: torch._fused_adamw_([native[0]], [grad], [native[1]], [native[2]], [], [native[3]],

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 from torchao.optim.adam import single_param_adam
-from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, scale_tensor
+from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
 from .distributed import Sharding
@@ -47,40 +47,27 @@ from .streams import LaunchThread, StallMeter, Streams, pinned_empty
 __all__ = ["StreamedAdamW8bit", "forward_units"]
 
 
-def quantize_8bit_i32(input: Tensor, qmap: Tensor) -> Tensor:
-    """torchao's `quantize_8bit_with_qmap` -- the same branchless binary search over the 256 codes, then rounding
-    to the nearer neighbour -- with the codes in int32 instead of int64: the same codes (tested against torchao's),
-    and 32-bit index arithmetic in the compiled kernel, which does 18 table lookups per value."""
-    codes = (input >= qmap[128]).int() * 128
-    for half in (64, 32, 16, 8, 4, 2, 1):
-        codes += (input >= qmap[codes + half]).int() * half
-    codes_up = (codes + 1).clip(max=255)
-    val_down = qmap[codes]
-    val_up = qmap[codes_up]
-    residual = input - val_down
-    codes = torch.where(residual >= (val_up - val_down) * 0.5, codes_up, codes)
-    return codes.to(torch.uint8)
-
-
-# The codes index a 256-entry table and are in range by construction: inductor's bounds assert around each lookup
-# is skipped (bench/update_kernel.py measures each change).
-UPDATE_INDUCTOR_OPTIONS = {"assert_indirect_indexing": False}
+# Inductor options for the update. None by default: bench/update_kernel.py measured int32 codes in the quantizer,
+# no bounds asserts on the table lookups, multi-kernel reductions and autotuning within ~10% of the default kernel
+# (0.50-0.57 ms per 25M values, torchao's own update 0.47-0.49 ms), not worth leaving torchao's code for.
+UPDATE_INDUCTOR_OPTIONS: dict = {}
 
 
 def compile_update(fn, options: dict | None = None):
     """`fn` compiled as the optimizer compiles its updates (static shapes, one graph, `UPDATE_INDUCTOR_OPTIONS`)."""
-    return torch.compile(fn, fullgraph=True, dynamic=False, options={**UPDATE_INDUCTOR_OPTIONS, **(options or {})})
+    return torch.compile(fn, fullgraph=True, dynamic=False,
+                         options={**UPDATE_INDUCTOR_OPTIONS, **(options or {})} or None)
 
 
 def adamw8bit_chunk(p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap_signed: Tensor,
                     qmap_unsigned: Tensor, step: Tensor, lr: Tensor, beta1: float, beta2: float,
                     weight_decay: float, eps: float, bf16_stochastic_round: bool,
-                    quantize=quantize_8bit_i32) -> None:
+                    quantize=quantize_8bit_with_qmap) -> None:
     """torchao's `single_param_adam` (AdamW branch) on two `OptimState8bit`s, written over their plain
     tensors: codes (2, n) uint8 and scales (2, n / block) of exp_avg and exp_avg_sq.
 
-    Same ops in the same order, with torchao's quantization functions (`quantize`: torchao's binary search in int32
-    codes by default, the same codes), so results are identical; but a compiled call over plain tensors skips the
+    Same ops in the same order, with torchao's quantization functions (`quantize`: a variant to measure, see
+    bench/update_kernel.py), so results are identical; but a compiled call over plain tensors skips the
     tensor-subclass dispatch, which cost ~1 ms of CPU per call and starved the GPU of backward kernels when called
     from gradient hooks.
 

@@ -130,22 +130,6 @@ def test_accumulated_gradients_wait_on_the_host_between_micro_batches():
     assert not opt._host_sum  # zero_grad drops what waited on the host
 
 
-@pytest.mark.parametrize("signed", [True, False])
-def test_int32_quantize_gives_torchaos_codes(signed):
-    """Random values, every code's value, the midpoints between neighbours (ties round up) and just either side."""
-    from torchao.optim.quant_utils import quantize_8bit_with_qmap
-    from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
-
-    from offload_trainer.optim import quantize_8bit_i32
-
-    qmap = torch.tensor(get_qmap_signed() if signed else get_qmap_unsigned())
-    mids = (qmap[1:] + qmap[:-1]) / 2
-    lo = -1.0 if signed else 0.0
-    x = torch.cat([torch.rand(200_000, generator=torch.Generator().manual_seed(0)) * (1 - lo) + lo, qmap, mids,
-                   torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1), torch.tensor([lo, 0.0, 1.0])])
-    assert torch.equal(quantize_8bit_i32(x, qmap), quantize_8bit_with_qmap(x, qmap))
-
-
 def test_launch_thread_queues_the_updates_and_ends_with_the_optimizer():
     import gc
     import threading
