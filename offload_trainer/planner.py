@@ -33,6 +33,10 @@ class Machine:
     d2h_gb_s: float = 51.0
     train_flops: float = 5.2e14  # bf16 FLOP/s of a checkpointed train step (model FLOPs, incl. recompute)
     cpu_s_per_chunk: float = 3.5e-4  # Python + launch cost of one streamed chunk update
+    # CPU time to queue one decoder layer's forward, recompute and backward (HF Llama layer, SDPA, checkpointing):
+    # native 3B at 1 x 2048 is paced by the CPU (compute stream busy 135 ms of a 0.18-0.24 s step), 0.177 and
+    # 0.240 s per step over 28 layers in two runs (20261130-s14a, -s14b)
+    cpu_s_per_layer: float = 7.4e-3
     cuda_context_gib: float = 0.7  # taken from the card outside PyTorch's allocator
     backward_inflation: float = 1.08  # update kernels running beside backward slow it (8B: 1077 vs 980 ms)
     nf4_slowdown: float = 1.40  # bitsandbytes NF4 matmuls dequantize every weight each use (70B QLoRA: 2.38 s
@@ -289,10 +293,13 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
         # the copy engines are busy for (states, host gradients, layers, activations) each way: the step is at
         # least as long as the busier direction
         step = max(step, copies_s)
-    # updates during backward, one micro-batch: can the copies of the states keep up with backward?
-    outlast = not lora and not clip and accum == 1 and not swapped and copies_s > t_micro * 3 / 4
+    # One thread queues every kernel of the step and, from backward's hooks, every chunk update: on small
+    # micro-batches that, not the GPU, sets the pace (3B at 1 x 2048, natively too)
+    cpu_floor = accum * L * machine.cpu_s_per_layer + (n_chunks * machine.cpu_s_per_chunk if not lora else 0.0)
+    cpu_bound = (cpu_floor, step) if cpu_floor > step else None
+    step = max(step, cpu_floor)
     return dict(reserved=reserved, allocated=allocated, host=host, pinned=pinned, pcie=pcie, step=step,
-                native=t_native, copies_outlast_backward=(copies_s, t_micro * 3 / 4) if outlast else None,
+                native=t_native, cpu_bound=cpu_bound,
                 breakdown={"weights": weights / GiB, "swap slots": swap_gpu / GiB,
                            **({"LoRA adapters + AdamW": adapters / GiB} if lora else {}),
                            "optimizer slots": (slots + update_temps) / GiB,
@@ -361,12 +368,12 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                     if accum > 1 and og:
                         p.notes.append("gradient accumulation sums gradients in pinned CPU memory: 4 bytes/param of "
                                        "PCIe traffic per micro-batch; fewer, larger micro-batches move less")
-                    if e["copies_outlast_backward"]:
+                    if e["cpu_bound"]:
                         p.notes.append(
-                            "small micro-batch: streaming the optimizer states ({:.2f} s each way) outlasts backward "
-                            "({:.2f} s). Such steps have run up to 2.2x the predicted time (3B, 1 x 2048: 0.44-0.49 s "
-                            "measured, 0.215 s predicted; not yet explained): prefer larger micro-batches, which "
-                            "amortize the copies".format(*e["copies_outlast_backward"]))
+                            "small micro-batch: the CPU queuing the step's kernels and chunk updates ({:.2f} s) takes "
+                            "longer than the GPU's work ({:.2f} s), so the CPU sets the pace -- and CPU-bound steps "
+                            "vary between machines (3B at 1 x 2048 on H200 machines: 0.35-0.49 s measured, 0.30 s "
+                            "predicted). Larger micro-batches hide it".format(*e["cpu_bound"]))
                     if resident < L and clip and not lora_params:
                         p.notes.append("with layers swapped, exact clipping fetches each swapped layer once more "
                                        "for its update after backward: max_grad_norm: 0 avoids it")
