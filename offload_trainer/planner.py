@@ -34,8 +34,8 @@ class Machine:
     train_flops: float = 5.2e14  # bf16 FLOP/s of a checkpointed train step (model FLOPs, incl. recompute)
     cpu_s_per_chunk: float = 3.5e-4  # Python + launch cost of one streamed chunk update
     # CPU time to queue one decoder layer's forward, recompute and backward (HF Llama layer, SDPA, checkpointing):
-    # native 3B at 1 x 2048 is paced by the CPU (compute stream busy 135 ms of a 0.18-0.24 s step), 0.177 and
-    # 0.240 s per step over 28 layers in two runs (20261130-s14a, -s14b)
+    # native 3B at 1 x 2048 is paced by the CPU (compute stream busy 135 ms of a 0.17-0.24 s step): 0.174 and
+    # 0.240 s per step (medians) over 28 layers in two runs (20261130-s14a, -s14b)
     cpu_s_per_layer: float = 7.4e-3
     cuda_context_gib: float = 0.7  # taken from the card outside PyTorch's allocator
     backward_inflation: float = 1.08  # update kernels running beside backward slow it (8B: 1077 vs 980 ms)
