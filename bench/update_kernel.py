@@ -26,7 +26,6 @@ import os
 
 import torch
 from torchao.optim.adam import single_param_adam
-from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
 from offload_trainer.optim import adamw8bit_chunk, compile_update
@@ -42,23 +41,8 @@ def quantize_8bit_i32(input, qmap):
     return torch.where(input - val_down >= (val_up - val_down) * 0.5, codes_up, codes).to(torch.uint8)
 
 
-def no_guard(p, grad, codes, scales, qmap_signed, qmap_unsigned, step, lr, beta1, beta2, weight_decay, eps, sr):
-    """adamw8bit_chunk without the per-block non-finite guard (torchao's single_param_adam, plain tensors)."""
-    block = codes.shape[1] // scales.shape[1]
-    p_f32 = p.float()
-    grad_f32 = grad.float()
-    p_f32 = p_f32 - lr * weight_decay * p_f32
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    exp_avg_f32 = dequant_with_qmap(codes[0], qmap_signed, scales[0]).lerp(grad_f32, 1 - beta1)
-    exp_avg_sq_f32 = dequant_with_qmap(codes[1], qmap_unsigned, scales[1]).lerp(grad_f32.square(), 1 - beta2)
-    for k, (x, qmap) in enumerate(((exp_avg_f32, qmap_signed), (exp_avg_sq_f32, qmap_unsigned))):
-        scaled, scale = scale_tensor(x, block)
-        codes[k].copy_(quantize_8bit_with_qmap(scaled, qmap))
-        scales[k].copy_(scale)
-    denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
-    p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
-    p.copy_(_fp32_to_bf16_sr(p_f32) if sr else p_f32.to(p.dtype))
+def no_guard(*args):
+    return adamw8bit_chunk(*args, guard=False)
 
 
 def int32_quant(*args):

@@ -62,7 +62,7 @@ def compile_update(fn, options: dict | None = None):
 def adamw8bit_chunk(p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap_signed: Tensor,
                     qmap_unsigned: Tensor, step: Tensor, lr: Tensor, beta1: float, beta2: float,
                     weight_decay: float, eps: float, bf16_stochastic_round: bool,
-                    quantize=quantize_8bit_with_qmap) -> None:
+                    quantize=quantize_8bit_with_qmap, guard: bool = True) -> None:
     """torchao's `single_param_adam` (AdamW branch) on two `OptimState8bit`s, written over their plain
     tensors: codes (2, n) uint8 and scales (2, n / block) of exp_avg and exp_avg_sq.
 
@@ -74,6 +74,7 @@ def adamw8bit_chunk(p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap
     A 256-value block whose gradient holds a NaN or an infinity is left as it was (its weights, codes and
     scales): its new block scales come out non-finite, which is all the check reads (no extra pass over the
     gradient), and it is decided on the GPU, so updates queued during backward never wait for the CPU.
+    (`guard=False` drops that check: torchao's own update, for bench/update_kernel.py to measure.)
     """
     block = codes.shape[1] // scales.shape[1]
     p_f32 = p.float()
@@ -86,13 +87,14 @@ def adamw8bit_chunk(p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap
     quantized = [scale_tensor(x, block) for x in (exp_avg_f32, exp_avg_sq_f32)]  # as OptimState8bit.copy_
     ok = torch.isfinite(quantized[0][1]) & torch.isfinite(quantized[1][1])  # per block
     for k, ((scaled, scale), qmap) in enumerate(zip(quantized, (qmap_signed, qmap_unsigned))):
-        codes[k].copy_(torch.where(ok.view(-1, 1), quantize(scaled, qmap).view(-1, block),
-                                   codes[k].view(-1, block)).view(-1))
-        scales[k].copy_(torch.where(ok, scale, scales[k]))
+        new_codes = quantize(scaled, qmap)
+        codes[k].copy_(torch.where(ok.view(-1, 1), new_codes.view(-1, block), codes[k].view(-1, block)).view(-1)
+                       if guard else new_codes)
+        scales[k].copy_(torch.where(ok, scale, scales[k]) if guard else scale)
     denom = (exp_avg_sq_f32.sqrt() / bias_correction2.sqrt()) + eps
     p_f32 = p_f32 - lr * (exp_avg_f32 / bias_correction1) / denom
     new_p = _fp32_to_bf16_sr(p_f32) if bf16_stochastic_round else p_f32.to(p.dtype)
-    p.copy_(torch.where(ok.view(-1, 1), new_p.view(-1, block), p.view(-1, block)).view(p.shape))
+    p.copy_(torch.where(ok.view(-1, 1), new_p.view(-1, block), p.view(-1, block)).view(p.shape) if guard else new_p)
 
 
 def _always_resident(p: Tensor, stream):

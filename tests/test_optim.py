@@ -130,6 +130,26 @@ def test_accumulated_gradients_wait_on_the_host_between_micro_batches():
     assert not opt._host_sum  # zero_grad drops what waited on the host
 
 
+def test_the_guard_changes_nothing_on_finite_gradients():
+    """`guard=False` (torchao's update, measured by bench/update_kernel.py) is the same arithmetic."""
+    from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+
+    from offload_trainer.optim import adamw8bit_chunk
+
+    gen = torch.Generator().manual_seed(0)
+    n = 8 * 256
+    p, grad = torch.randn(n, generator=gen), torch.randn(n, generator=gen) * 1e-2
+    codes, scales = torch.randint(0, 256, (2, n), generator=gen, dtype=torch.uint8), torch.rand(2, n // 256) * 1e-2
+    qmaps = [torch.tensor(get_qmap_signed()), torch.tensor(get_qmap_unsigned())]
+    out = []
+    for guard in (True, False):
+        state = [p.clone(), codes.clone(), scales.clone()]
+        adamw8bit_chunk(state[0], grad, state[1], state[2], *qmaps, torch.tensor(3.0), torch.tensor(1e-3), 0.9, 0.99,
+                        0.1, 1e-8, False, guard=guard)
+        out.append(state)
+    assert not torch.equal(out[0][0], p) and all(torch.equal(a, b) for a, b in zip(*out))
+
+
 def test_launch_thread_queues_the_updates_and_ends_with_the_optimizer():
     import gc
     import threading
