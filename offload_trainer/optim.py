@@ -165,9 +165,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     CPU waits for the oldest (default: twice the largest tensor's gradient, at least 1 GiB).
     `launch_thread`: with `update_in_backward` (not with data parallel or layer swap), queue the copies and updates
     from a thread of their own, so that the thread running backward only hands gradients over. Off by default: on
-    the H200 it removed the waits of the compute stream for the CPU but not a millisecond of step time (3B at
-    4 x 2048 is then bound by the GPU, where the updates share the SMs with backward; at 1 x 2048 backward's own
-    launches, slowed by the shared GIL, bound it), so the second thread is not worth its risk by default.
+    the H200 it removed the compute stream's waits for the CPU but left the step time within run-to-run noise (3B
+    at 4 x 2048: 0.573 vs 0.580 s; the step is then bound by the GPU, where the updates share the SMs with
+    backward; at 1 x 2048 backward's own launches, slowed by the shared GIL, bound it): not worth a second thread.
     """
 
     def __init__(

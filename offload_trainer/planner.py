@@ -372,7 +372,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                         p.notes.append(
                             "small micro-batch: the CPU queuing the step's kernels and chunk updates ({:.2f} s) takes "
                             "longer than the GPU's work ({:.2f} s), so the CPU sets the pace -- and CPU-bound steps "
-                            "vary between machines (3B at 1 x 2048 on H200 machines: 0.35-0.49 s measured, 0.30 s "
+                            "vary between machines (3B at 1 x 2048 on H200 machines: 0.32-0.54 s measured, 0.30 s "
                             "predicted). Larger micro-batches hide it".format(*e["cpu_bound"]))
                     if resident < L and clip and not lora_params:
                         p.notes.append("with layers swapped, exact clipping fetches each swapped layer once more "
