@@ -57,7 +57,7 @@ def gpu_idle_ms(step_fn, trace: str | None = None) -> dict:
         if e.device_type() == DeviceType.CUDA and e.duration_ns() > 0:
             sid = e.device_resource_id()
             by_stream.setdefault(sid, []).append((e.start_ns(), e.start_ns() + e.duration_ns()))
-            kernels[sid] = kernels.get(sid, 0) + (not e.name().startswith(("Memcpy", "Memset")))
+            kernels[sid] = kernels.get(sid, 0) + (_activity(e) == "kernel")
 
     def union(iv):
         iv.sort()

@@ -431,9 +431,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             if self.update_in_backward or (self.offload_gradients and p in self._offset):
                 self._measure_norm(p, S.compute())
         if self.update_in_backward:
-            self._update_param(p, ready)
-            self._plan.updated.add(p)
-            self._publish(p)
+            self._update_in_backward(p, ready)
         elif self.offload_gradients and p in self._offset:
             self._plan.host_grad_ready[p] = self._offload_grad(p, ready)
 
@@ -456,6 +454,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         ready = self._add_host_sum(p, grad_ready)
         S.update.wait_event(ready)
         self._measure_norm(p, S.update)
+        self._update_in_backward(p, ready)
+
+    def _update_in_backward(self, p: Tensor, ready) -> None:
+        """Queue `p`'s update once `ready` (its gradient final) and mark it done for this step and its unit."""
         self._update_param(p, ready)
         self._plan.updated.add(p)
         self._publish(p)
