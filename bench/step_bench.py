@@ -138,6 +138,8 @@ def main() -> None:
     ap.add_argument("--cpp-wrapper", action="store_true", help="offload_trainer: inductor's C++ wrapper for the update")
     ap.add_argument("--launch-thread", action="store_true",
                     help="offload_trainer: queue updates in backward from a thread of their own (launch_thread=True)")
+    ap.add_argument("--unfused", action="store_true",
+                    help="offload_trainer: torchao's compiled update instead of the fused kernel (fused=False)")
     ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
     ap.add_argument("--trace", default=None, help="write the profiled step's events here (gzipped JSON; any system)")
     ap.add_argument("--out", default=None)
@@ -220,8 +222,9 @@ def main() -> None:
                                     chunk_numel=a.chunk, sharding=shard,
                                     compile={"cpp_wrapper": True} if a.cpp_wrapper else None,
                                     grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30),
-                                    launch_thread=a.launch_thread)
-            row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk)
+                                    launch_thread=a.launch_thread, fused=False if a.unfused else None)
+            row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk,
+                                fused_update=opt._fused is not None)
             from offload_trainer.planner import PlanError, plan
 
             try:

@@ -14,21 +14,26 @@ without asserts was the default) named the variants differently: in s14f "ours" 
   ours_autotuned        inductor option coordinate_descent_tuning
   ours_no_guard         without the non-finite guard (plain copies into codes, scales and weights)
   ours_no_sr            bf16_stochastic_round=False
+  fused                 offload_trainer.update_kernel.Update8bit: one Triton kernel, two-lookup quantizer (the default
+                        since the fused update landed); fused_rows{2,8}, fused_warps8: its block shape
+  fused_no_sr           the same, bf16_stochastic_round=False
   torchao               torchao's single_param_adam on two OptimState8bit (what torchao AdamW8bit runs per tensor)
   torch_fused_bf16      torch._fused_adamw_ on bf16 weights and states (what the native rows run), for scale
-Prints one JSON line per variant: ms per call, ps per element, kernels per call.
+Prints one JSON line per variant: GPU ms per call, ps per element, CPU microseconds per call, kernels per call.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
 
 import torch
 from torchao.optim.adam import single_param_adam
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
 from offload_trainer.optim import adamw8bit_chunk, compile_update
+from offload_trainer.update_kernel import Update8bit
 
 
 def quantize_8bit_i32(input, qmap):
@@ -83,6 +88,11 @@ def main() -> None:
         "ours_autotuned": call(compile_update(adamw8bit_chunk, {"coordinate_descent_tuning": True})),
         "ours_no_guard": call(compile_update(no_guard)),
         "ours_no_sr": call(compile_update(adamw8bit_chunk), sr=False),
+        "fused": call(Update8bit(torch.device(dev))),
+        "fused_rows2": call(Update8bit(torch.device(dev), rows=2)),
+        "fused_rows8": call(Update8bit(torch.device(dev), rows=8)),
+        "fused_warps8": call(Update8bit(torch.device(dev), rows=8, num_warps=8)),
+        "fused_no_sr": call(Update8bit(torch.device(dev)), sr=False),
         "torchao": (lambda f: lambda: f(p, grad, step, states[0], states[1], None, *hyper, True, True))(
             torch.compile(single_param_adam, fullgraph=True, dynamic=False)),
         "torch_fused_bf16": lambda: torch._fused_adamw_([native[0]], [grad], [native[1]], [native[2]], [], [native[3]],
@@ -101,8 +111,10 @@ def main() -> None:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(a.iters):
             fn()
+        cpu_us = (time.perf_counter() - t0) * 1e6 / a.iters  # launch cost (the GPU queue never fills at 20 calls)
         end.record()
         torch.cuda.synchronize()
         ms = start.elapsed_time(end) / a.iters
@@ -116,6 +128,7 @@ def main() -> None:
             if e.device_time_total > 0:
                 kernels[e.key[:70]] = round(e.device_time_total / 1e3, 3)
         row = {"variant": name, "numel": n, "ms_per_call": round(ms, 3), "ps_per_element": round(ms * 1e9 / n, 1),
+               "cpu_us_per_call": round(cpu_us, 1),
                "kernel_ms": kernels, "commit": os.environ.get("COMMIT", "unknown"), "gpu": torch.cuda.get_device_name()}
         print(json.dumps(row), flush=True)
         if a.out:

@@ -41,6 +41,7 @@ from torchao.optim.adam import single_param_adam
 from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
+from . import update_kernel
 from .distributed import Sharding
 from .streams import LaunchThread, StallMeter, Streams, pinned_empty
 
@@ -160,7 +161,12 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     Args mirror torchao `AdamW8bit`; keyword-only flags choose how the update is streamed.
     `chunk_numel` elements are staged per copy; `inflight_chunks` slots bound GPU memory in flight.
-    `compile`: compile the update (default: on CUDA); a dict is passed to `torch.compile` as inductor options.
+    `fused`: update each streamed chunk with one Triton kernel (update_kernel.py: torchao's codes, about a fifth of
+    the GPU time, one launch) instead of torchao's compiled update. Default: where Triton runs (CUDA).
+    `seed`: the Philox key of the fused kernel's stochastic rounding (default: `torch.initial_seed()`); its counter
+    is the step and the value's place, so a resumed run with the same seed rounds exactly as an uninterrupted one.
+    `compile`: compile the (unfused) update (default: on CUDA); a dict is passed to `torch.compile` as inductor
+    options. Small tensors, whose states stay on the device, always take this update.
     `grad_backlog_bytes`: GPU bytes of gradients that may wait for their update or copy to the host before the
     CPU waits for the oldest (default: twice the largest tensor's gradient, at least 1 GiB).
     `launch_thread`: with `update_in_backward` (not with data parallel or layer swap), queue the copies and updates
@@ -188,6 +194,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         sharding: Sharding | None = None,
         grad_backlog_bytes: int | None = None,
         launch_thread: bool = False,
+        fused: bool | None = None,
+        seed: int | None = None,
     ) -> None:
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}")
@@ -222,6 +230,12 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             options = compile if isinstance(compile, dict) else None  # inductor options, e.g. {"cpp_wrapper": True}
             self._step_fn = compile_update(single_param_adam, options)
             self._chunk_fn = compile_update(adamw8bit_chunk, options)
+        if fused is None:
+            fused = update_kernel.available(self.device)
+        elif fused and not update_kernel.runnable(self.device):
+            raise ValueError(f"fused=True needs Triton and a CUDA device (have {self.device}); use fused=False")
+        self._fused = (update_kernel.Update8bit(self.device, seed=torch.initial_seed() if seed is None else seed)
+                       if fused else None)
 
         # Host states and GPU slots are allocated at first use, not here: accelerate's prepare() round-trips
         # an optimizer's state dict through the GPU, which must not see gigabytes of host states.
@@ -274,6 +288,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def _init_states(self, *, pin: bool) -> None:
         big = [p for p in self._params if self._is_8bit(p) and self._owns(p)]
         total = sum(p.numel() for p in big)
+        self._total_8bit = total  # the fused update's Philox counter: step * total + place in the flat buffers
         bs = self.block_size
         # One flat host buffer per kind (exactly sized, pinned once): codes of both moments, their scales,
         # and, when offloading, the gradients.
@@ -669,7 +684,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             self._hold(S.record(S.update), n * grad.element_size())  # the gradient is freed once the update read it
 
     def _host_chunks(self, p: Tensor) -> list:
-        """`p`'s chunks: (start, end, host code rows, host scale rows, host gradient) -- views made once, since
+        """`p`'s chunks: (start, end, host code rows, host scale rows, host gradient, start in the flat host
+        buffers) -- views made once, since
         indexing costs microseconds of CPU per call and the updates run from backward hooks."""
         chunks = self._chunks.get(p)
         if chunks is None:
@@ -681,7 +697,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 a, b = off + s, off + e  # range in the flat host buffers
                 rows = slice(a // bs, b // bs)
                 chunks.append((s, e, (codes[0, a:b], codes[1, a:b]), (scales[0, rows], scales[1, rows]),
-                               None if grads is None else grads[a:b]))
+                               None if grads is None else grads[a:b], a))
         return chunks
 
     def _slot_views(self, slot: _Slot, n: int) -> tuple:
@@ -697,7 +713,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     def _update_chunk(self, chunk, flat_p, flat_g, host_grad_ready, step, args) -> None:
         S, bs = self._streams, self.block_size
-        s, e, host_codes, host_scales, host_grad = chunk
+        s, e, host_codes, host_scales, host_grad, flat_start = chunk
         n = e - s
         slot = self._slots[self._next_slot]
         self._next_slot = (self._next_slot + 1) % len(self._slots)
@@ -723,12 +739,19 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         S.update.wait_event(loaded)
         whole = s == 0 and e == flat_p.numel()
         with S.on(S.update):
+            coef = None
             if flat_g is None:
-                if self._plan.clip_coef is not None:
-                    g = g * self._plan.clip_coef  # bf16 * fp32 scalar -> bf16, as clip_grad_norm_ does in place
+                coef = self._plan.clip_coef
+                if coef is not None and self._fused is None:
+                    g = g * coef  # bf16 * fp32 scalar -> bf16, as clip_grad_norm_ does in place
             else:
                 g = flat_g if whole else flat_g[s:e]
-            self._chunk_fn(flat_p if whole else flat_p[s:e], g, codes, scales, *self._qmaps_dev, step, *args)
+            chunk_p = flat_p if whole else flat_p[s:e]
+            if self._fused is not None:  # clipping's product inside the kernel; Philox counters unique per step
+                self._fused(chunk_p, g, codes, scales, *self._qmaps_dev, step, *args, grad_scale=coef,
+                            counter=int(step) * self._total_8bit + flat_start)
+            else:
+                self._chunk_fn(chunk_p, g, codes, scales, *self._qmaps_dev, step, *args)
         updated = S.record(S.update)
         # 3) D2H: the new states back to the host; the slot is free once this lands
         S.d2h.wait_event(updated)
