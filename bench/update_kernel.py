@@ -17,6 +17,7 @@ without asserts was the default) named the variants differently: in s14f "ours" 
   fused                 offload_trainer.update_kernel.Update8bit: one Triton kernel, two-lookup quantizer (the default
                         since the fused update landed); fused_rows{2,8}, fused_warps8: its block shape
   fused_no_sr           the same, bf16_stochastic_round=False
+  fused_fast_math       the same, eager_numerics=False (Triton's approximate division, contraction)
   torchao               torchao's single_param_adam on two OptimState8bit (what torchao AdamW8bit runs per tensor)
   torch_fused_bf16      torch._fused_adamw_ on bf16 weights and states (what the native rows run), for scale
 Prints one JSON line per variant: GPU ms per call, ps per element, CPU microseconds per call, kernels per call.
@@ -93,6 +94,7 @@ def main() -> None:
         "fused_rows8": call(Update8bit(torch.device(dev), rows=8)),
         "fused_warps8": call(Update8bit(torch.device(dev), rows=8, num_warps=8)),
         "fused_no_sr": call(Update8bit(torch.device(dev)), sr=False),
+        "fused_fast_math": call(Update8bit(torch.device(dev), eager_numerics=False)),
         "torchao": (lambda f: lambda: f(p, grad, step, states[0], states[1], None, *hyper, True, True))(
             torch.compile(single_param_adam, fullgraph=True, dynamic=False)),
         "torch_fused_bf16": lambda: torch._fused_adamw_([native[0]], [grad], [native[1]], [native[2]], [], [native[3]],

@@ -141,12 +141,27 @@ if triton is not None:
         return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _div(x, y, EAGER: tl.constexpr):
+        if EAGER:  # correctly rounded, as CUDA's eager kernels (Triton's `/` is div.full, an approximation)
+            return tl.div_rn(x, y)
+        else:
+            return x / y
+
+    @triton.jit
+    def _fma(a, b, c, EAGER: tl.constexpr):
+        if EAGER:  # the kernel runs without contraction (as eager's separate kernels): this one is written out
+            return tl.fma(a, b, c)
+        else:
+            return a * b + c
+
+    @triton.jit
     def _adamw8bit_kernel(
         p_ptr, g_ptr, codes_ptr, scales_ptr, qmap_ptr, low_s, thr_s, low_u, thr_u, coef_ptr,
         n_blocks, code_stride, scale_stride,
         lr, weight_decay, w1, w2, eps, bias_correction1, bias_correction2_sqrt, seed, counter,
         BLOCK: tl.constexpr, ROWS: tl.constexpr, FIRST_KEY: tl.constexpr, LAST_KEY: tl.constexpr,
-        NB: tl.constexpr, SR: tl.constexpr, ROUND_BF16: tl.constexpr, GUARD: tl.constexpr, HAS_COEF: tl.constexpr,
+        NB: tl.constexpr, SR: tl.constexpr, ROUND_BF16: tl.constexpr, EAGER: tl.constexpr, GUARD: tl.constexpr,
+        HAS_COEF: tl.constexpr,
     ):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         row_ok = rows < n_blocks
@@ -169,16 +184,16 @@ if triton is not None:
         p = p - lr * weight_decay * p
         m = tl.load(qmap_ptr + code_m) * scale_m[:, None]
         v = tl.load(qmap_ptr + 256 + code_v) * scale_v[:, None]
-        m = m + w1 * (g - m)  # torch.lerp(m, g, w1) for w1 < 0.5
-        v = v + w2 * (g * g - v)
+        m = _fma(w1, g - m, m, EAGER)  # torch.lerp(m, g, w1) for w1 < 0.5, as its CUDA kernel computes it
+        v = _fma(w2, g * g - v, v, EAGER)
         finite = (tl.abs(m) < float("inf")) & (tl.abs(v) < float("inf"))
         ok = tl.min(finite.to(tl.int32), axis=1) > 0  # per block, as the guard of optim.adamw8bit_chunk
         new_scale_m = tl.maximum(tl.max(tl.abs(m), axis=1), 1e-12)
         new_scale_v = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12)
-        new_m = _quantize(m / new_scale_m[:, None], low_s, thr_s, FIRST_KEY, LAST_KEY, NB)
-        new_v = _quantize(v / new_scale_v[:, None], low_u, thr_u, FIRST_KEY, LAST_KEY, NB)
-        denom = tl.sqrt(v) / bias_correction2_sqrt + eps
-        p = p - lr * (m / bias_correction1) / denom
+        new_m = _quantize(_div(m, new_scale_m[:, None], EAGER), low_s, thr_s, FIRST_KEY, LAST_KEY, NB)
+        new_v = _quantize(_div(v, new_scale_v[:, None], EAGER), low_u, thr_u, FIRST_KEY, LAST_KEY, NB)
+        denom = _div(tl.sqrt_rn(v), bias_correction2_sqrt, EAGER) + eps
+        p = p - _div(lr * _div(m, bias_correction1, EAGER), denom, EAGER)
         if SR:  # torchao's _fp32_to_bf16_sr: away from zero with probability (low 16 bits) / 2**16
             rand = (tl.randint(seed, counter + idx) & 0xFFFF).to(tl.int32)
             bits = p.to(tl.int32, bitcast=True)
@@ -203,15 +218,20 @@ class Update8bit:
     chunk's first value (unique per step and value; see StreamedAdamW8bit._update_chunk).
 
     `rows`: 256-value blocks per program; `num_warps`: Triton's. `seed`: stochastic rounding's Philox key.
+    `eager_numerics`: round every operation as torch's eager CUDA kernels do (correctly rounded divisions and square
+    roots, no fused multiply-adds but the one inside lerp), so that results match torchao's update run eagerly, bit
+    for bit where the order of operations is the same. False: Triton's defaults (approximate division, contraction).
     """
 
-    def __init__(self, device, *, seed: int = 0, rows: int = 4, num_warps: int = 4, guard: bool = True) -> None:
+    def __init__(self, device, *, seed: int = 0, rows: int = 4, num_warps: int = 4, guard: bool = True,
+                 eager_numerics: bool = True) -> None:
         if triton is None:
             raise RuntimeError("the fused 8-bit update needs Triton (it ships with CUDA builds of torch)")
         qmaps, signed, unsigned = default_tables()
         self.qmaps = qmaps.to(device)
         self.tables = [t.to(device) for t in (signed, unsigned)]
         self.seed, self.rows, self.num_warps, self.guard = seed, rows, num_warps, guard
+        self.eager_numerics = eager_numerics
 
     def __call__(self, p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap_signed, qmap_unsigned,
                  step: Tensor | float, lr: Tensor | float, beta1: float, beta2: float, weight_decay: float,
@@ -237,5 +257,5 @@ class Update8bit:
             bias_correction1, bias_correction2_sqrt, self.seed, counter,
             BLOCK=bs, ROWS=self.rows, FIRST_KEY=_FIRST_KEY, LAST_KEY=_LAST_KEY, NB=N_BUCKETS,
             SR=sr, ROUND_BF16=p.dtype is torch.bfloat16, GUARD=self.guard, HAS_COEF=grad_scale is not None,
-            num_warps=self.num_warps,
+            EAGER=self.eager_numerics, num_warps=self.num_warps, enable_fp_fusion=not self.eager_numerics,
         )
