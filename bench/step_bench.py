@@ -138,6 +138,10 @@ def main() -> None:
     ap.add_argument("--cpp-wrapper", action="store_true", help="offload_trainer: inductor's C++ wrapper for the update")
     ap.add_argument("--launch-thread", action="store_true",
                     help="offload_trainer: queue updates in backward from a thread of their own (launch_thread=True)")
+    ap.add_argument("--window", action="store_true", help="then time --steps more steps back to back, one device "
+                    "sync at the end (extra.tok_per_s_window)")
+    ap.add_argument("--fast-math", action="store_true",
+                    help="offload_trainer: the fused kernel with Triton's approximate division and contraction")
     ap.add_argument("--unfused", action="store_true",
                     help="offload_trainer: torchao's compiled update instead of the fused kernel (fused=False)")
     ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
@@ -222,7 +226,8 @@ def main() -> None:
                                     chunk_numel=a.chunk, sharding=shard,
                                     compile={"cpp_wrapper": True} if a.cpp_wrapper else None,
                                     grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30),
-                                    launch_thread=a.launch_thread, fused=False if a.unfused else None)
+                                    launch_thread=a.launch_thread,
+                                    fused=False if a.unfused else {"eager_numerics": False} if a.fast_math else None)
             row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk,
                                 fused_update=opt._fused is not None)
             from offload_trainer.planner import PlanError, plan
@@ -304,6 +309,8 @@ def main() -> None:
         measured = times[a.warmup:]
         med = statistics.median(measured)
         row.update(tok_per_s=round(row["tokens_per_step"] / med, 1), step_s_median=round(med, 4))
+        if a.window and not a.soak:
+            row["extra"].update(window(step, a.steps, row["tokens_per_step"]))
         # Allocator events over the timed steps (retries = the cap was hit: cached blocks freed after a device-wide
         # sync), and how long the CPU took to queue a step (close to the step time when the CPU is the bottleneck --
         # or when it is held back: by a sync, or by a full kernel launch queue, as in native rows)
@@ -373,6 +380,19 @@ def per_node(row: dict, opt, swap) -> dict:
 def pinned_bytes(*movers) -> int:
     """Host memory pinned by our optimizer, layer swap and activation offloader (None / torch optimizers: 0)."""
     return sum(m.memory_stats()["pinned_bytes"] for m in movers if hasattr(m, "memory_stats"))
+
+
+def window(step, steps: int, tokens_per_step: int) -> dict:
+    """`steps` steps back to back, as a training loop runs them: the loss read after each (the Trainer's NaN filter
+    does, which waits for the compute stream only), the whole device synchronized once, at the end."""
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step().item()
+    torch.cuda.synchronize()
+    per_step = (time.perf_counter() - t) / steps
+    return {"window_steps": steps, "window_step_s": round(per_step, 4),
+            "tok_per_s_window": round(tokens_per_step / per_step, 1)}
 
 
 def timed(step) -> tuple[float, float, float]:

@@ -148,6 +148,7 @@ class _StepPlan:
     """Bookkeeping of one optimizer step (reset by `step()` / `zero_grad()`)."""
 
     norms: dict = field(default_factory=dict)  # param -> grad norm (0-dim tensor)
+    sumsq: dict = field(default_factory=dict)  # param -> its gradient's squared norm, summed by the fused update
     host_grad_ready: dict = field(default_factory=dict)  # param -> event: grad copied to host
     merged: object = None  # event: the last host-accumulated sum was added into a device gradient (H2D stream)
     merged_params: set = field(default_factory=set)  # params whose gradient was made so, on the H2D stream
@@ -162,7 +163,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     Args mirror torchao `AdamW8bit`; keyword-only flags choose how the update is streamed.
     `chunk_numel` elements are staged per copy; `inflight_chunks` slots bound GPU memory in flight.
     `fused`: update each streamed chunk with one Triton kernel (update_kernel.py: torchao's codes, about a fifth of
-    the GPU time, one launch) instead of torchao's compiled update. Default: where Triton runs (CUDA).
+    the GPU time, one launch) instead of torchao's compiled update. Default: where Triton runs (CUDA). A dict
+    passes options to `update_kernel.Update8bit` (e.g. `{"eager_numerics": False}`).
     `seed`: the Philox key of the fused kernel's stochastic rounding (default: `torch.initial_seed()`); its counter
     is the step and the value's place, so a resumed run with the same seed rounds exactly as an uninterrupted one.
     `compile`: compile the (unfused) update (default: on CUDA); a dict is passed to `torch.compile` as inductor
@@ -194,7 +196,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         sharding: Sharding | None = None,
         grad_backlog_bytes: int | None = None,
         launch_thread: bool = False,
-        fused: bool | None = None,
+        fused: bool | dict | None = None,
         seed: int | None = None,
     ) -> None:
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -234,8 +236,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             fused = update_kernel.available(self.device)
         elif fused and not update_kernel.runnable(self.device):
             raise ValueError(f"fused=True needs Triton and a CUDA device (have {self.device}); use fused=False")
-        self._fused = (update_kernel.Update8bit(self.device, seed=torch.initial_seed() if seed is None else seed)
-                       if fused else None)
+        self._fused = None
+        if fused:  # a dict: options of update_kernel.Update8bit
+            self._fused = update_kernel.Update8bit(self.device, seed=torch.initial_seed() if seed is None else seed,
+                                                   **(fused if isinstance(fused, dict) else {}))
 
         # Host states and GPU slots are allocated at first use, not here: accelerate's prepare() round-trips
         # an optimizer's state dict through the GPU, which must not see gigabytes of host states.
@@ -443,7 +447,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             self._measure_norm(p, S.reduced)
         else:
             ready = self._add_host_sum(p, S.record(S.compute()))  # + earlier micro-batches' sum, if on the host
-            if self.update_in_backward or (self.offload_gradients and p in self._offset):
+            if not self._norm_in_update(p) and (self.update_in_backward or (
+                    self.offload_gradients and p in self._offset)):
                 self._measure_norm(p, S.compute())
         if self.update_in_backward:
             self._update_in_backward(p, ready)
@@ -468,7 +473,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         p.grad = grad
         ready = self._add_host_sum(p, grad_ready)
         S.update.wait_event(ready)
-        self._measure_norm(p, S.update)
+        if not self._norm_in_update(p):
+            self._measure_norm(p, S.update)
         self._update_in_backward(p, ready)
 
     def _update_in_backward(self, p: Tensor, ready) -> None:
@@ -481,6 +487,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         """Wait until the launch thread has queued every update handed to it (not until they ran)."""
         if self._launcher is not None:
             self._launcher.drain()
+
+    def _norm_in_update(self, p: Tensor) -> bool:
+        """Whether `p`'s gradient norm (for logging: no clipping in backward) is summed by the fused update kernel
+        on its pass over the gradient, instead of by a norm kernel on the compute stream."""
+        return self._fused is not None and self.update_in_backward and self._shard is None and p in self._offset
 
     def _measure_norm(self, p: Tensor, stream) -> None:
         """Queue `p.grad`'s norm on the stream that made the gradient (`stream`, or the H2D stream where a host sum
@@ -678,8 +689,13 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         n = p.numel()
         flat_p = p.detach().view(-1)
         flat_g = None if on_host else grad.view(-1)
+        sumsq = None
+        if not on_host and self.update_in_backward and self._norm_in_update(p):
+            with S.on(S.update):
+                sumsq = self._plan.sumsq[p] = torch.zeros((), dtype=torch.float32, device=self.device)
+            S.keep_alive(sumsq, S.compute())  # read there by clip_grad_norm_
         for chunk in self._host_chunks(p):
-            self._update_chunk(chunk, flat_p, flat_g, grad_ready if on_host else None, step, (*hyper, sr))
+            self._update_chunk(chunk, flat_p, flat_g, grad_ready if on_host else None, step, (*hyper, sr), sumsq)
         if not on_host:
             self._hold(S.record(S.update), n * grad.element_size())  # the gradient is freed once the update read it
 
@@ -711,7 +727,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             views = slot.views[n] = (codes, scales, (codes[0], codes[1]), (scales[0], scales[1]), g)
         return views
 
-    def _update_chunk(self, chunk, flat_p, flat_g, host_grad_ready, step, args) -> None:
+    def _update_chunk(self, chunk, flat_p, flat_g, host_grad_ready, step, args, sumsq=None) -> None:
         S, bs = self._streams, self.block_size
         s, e, host_codes, host_scales, host_grad, flat_start = chunk
         n = e - s
@@ -748,7 +764,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 g = flat_g if whole else flat_g[s:e]
             chunk_p = flat_p if whole else flat_p[s:e]
             if self._fused is not None:  # clipping's product inside the kernel; Philox counters unique per step
-                self._fused(chunk_p, g, codes, scales, *self._qmaps_dev, step, *args, grad_scale=coef,
+                self._fused(chunk_p, g, codes, scales, *self._qmaps_dev, step, *args, grad_scale=coef, sumsq=sumsq,
                             counter=int(step) * self._total_8bit + flat_start)
             else:
                 self._chunk_fn(chunk_p, g, codes, scales, *self._qmaps_dev, step, *args)
@@ -781,9 +797,13 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if self._shard is not None:
             S.compute().wait_stream(S.reduced)  # gradients reduced onto their owners, and their norms
         norms = {}
+        if self._plan.sumsq:  # summed by the fused updates (update stream)
+            S.compute().wait_stream(S.update)
         for p in self._norm_order:
             if p in self._plan.norms:
                 norms[p] = self._plan.norms[p]
+            elif p in self._plan.sumsq:  # in the gradient's dtype, as the norm kernel gives it
+                norms[p] = self._plan.sumsq[p].sqrt().to(p.dtype)
             elif p.grad is not None:
                 norms[p] = _grad_norm(p.grad)
         on_device = [p for p in norms if p.grad is not None]  # clip_grads_with_norm_ takes parameters

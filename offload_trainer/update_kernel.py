@@ -156,12 +156,12 @@ if triton is not None:
 
     @triton.jit
     def _adamw8bit_kernel(
-        p_ptr, g_ptr, codes_ptr, scales_ptr, qmap_ptr, low_s, thr_s, low_u, thr_u, coef_ptr,
+        p_ptr, g_ptr, codes_ptr, scales_ptr, qmap_ptr, low_s, thr_s, low_u, thr_u, coef_ptr, sumsq_ptr,
         n_blocks, code_stride, scale_stride,
-        lr, weight_decay, w1, w2, eps, bias_correction1, bias_correction2_sqrt, seed, counter,
+        lr, weight_decay, w1, w2, eps, bias_correction1, bias_correction2_sqrt, inv_bc1, inv_bc2_sqrt, seed, counter,
         BLOCK: tl.constexpr, ROWS: tl.constexpr, FIRST_KEY: tl.constexpr, LAST_KEY: tl.constexpr,
         NB: tl.constexpr, SR: tl.constexpr, ROUND_BF16: tl.constexpr, EAGER: tl.constexpr, GUARD: tl.constexpr,
-        HAS_COEF: tl.constexpr,
+        HAS_COEF: tl.constexpr, SUMSQ: tl.constexpr,
     ):
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         row_ok = rows < n_blocks
@@ -170,6 +170,8 @@ if triton is not None:
         p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + idx, mask=mask, other=0.0)
         g = g.to(tl.float32)
+        if SUMSQ:  # the gradient's squared norm, for logging (before any clipping scale)
+            tl.atomic_add(sumsq_ptr, tl.sum(tl.sum(g * g, axis=1), axis=0), sem="relaxed")
         if HAS_COEF:  # `grad * clip_coef`, rounded to the gradient's dtype as the out-of-place product is
             g = g * tl.load(coef_ptr)
             if g_ptr.dtype.element_ty == tl.bfloat16:
@@ -192,8 +194,12 @@ if triton is not None:
         new_scale_v = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12)
         new_m = _quantize(_div(m, new_scale_m[:, None], EAGER), low_s, thr_s, FIRST_KEY, LAST_KEY, NB)
         new_v = _quantize(_div(v, new_scale_v[:, None], EAGER), low_u, thr_u, FIRST_KEY, LAST_KEY, NB)
-        denom = _div(tl.sqrt_rn(v), bias_correction2_sqrt, EAGER) + eps
-        p = p - _div(lr * _div(m, bias_correction1, EAGER), denom, EAGER)
+        if EAGER:  # eager CUDA divides by a host scalar as a product with its reciprocal
+            denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
+            p = p - tl.div_rn(lr * (m * inv_bc1), denom)
+        else:
+            denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
+            p = p - lr * (m / bias_correction1) / denom
         if SR:  # torchao's _fp32_to_bf16_sr: away from zero with probability (low 16 bits) / 2**16
             rand = (tl.randint(seed, counter + idx) & 0xFFFF).to(tl.int32)
             bits = p.to(tl.int32, bitcast=True)
@@ -235,7 +241,10 @@ class Update8bit:
 
     def __call__(self, p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap_signed, qmap_unsigned,
                  step: Tensor | float, lr: Tensor | float, beta1: float, beta2: float, weight_decay: float,
-                 eps: float, bf16_stochastic_round: bool, *, counter: int = 0, grad_scale: Tensor | None = None):
+                 eps: float, bf16_stochastic_round: bool, *, counter: int = 0, grad_scale: Tensor | None = None,
+                 sumsq: Tensor | None = None):
+        """`grad_scale`: a 0-dim float32 tensor the gradient is multiplied by first (clipping). `sumsq`: a 0-dim
+        float32 tensor the gradient's sum of squares is added to (atomically: the order of the sum varies)."""
         n = p.numel()
         bs = n // scales.shape[1]
         if bs != 256 or n % bs or not (p.is_contiguous() and grad.is_contiguous()):
@@ -244,18 +253,20 @@ class Update8bit:
             raise ValueError("codes and scales rows must be contiguous")
         step = torch.as_tensor(step, dtype=torch.float32)
         # bias corrections as torchao computes them (float32, on the host where `step` lives)
-        bias_correction1 = float(1 - beta1**step)
-        bias_correction2_sqrt = float((1 - beta2**step).sqrt())
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step).sqrt()
+        inverses = [float(1 / x) for x in (bias_correction1, bias_correction2_sqrt)]  # float32, as eager takes them
         sr = bool(bf16_stochastic_round) and p.dtype is torch.bfloat16
         blocks = n // bs
         s, u = self.tables
         _adamw8bit_kernel[(triton.cdiv(blocks, self.rows),)](
             p, grad, codes, scales, self.qmaps, s.low_code, s.next_threshold, u.low_code, u.next_threshold,
-            grad_scale if grad_scale is not None else scales,
+            grad_scale if grad_scale is not None else scales, sumsq if sumsq is not None else scales,
             blocks, codes.stride(0), scales.stride(0),
             float(lr), float(weight_decay), 1 - beta1, 1 - beta2, float(eps),
-            bias_correction1, bias_correction2_sqrt, self.seed, counter,
+            float(bias_correction1), float(bias_correction2_sqrt), *inverses, self.seed, counter,
             BLOCK=bs, ROWS=self.rows, FIRST_KEY=_FIRST_KEY, LAST_KEY=_LAST_KEY, NB=N_BUCKETS,
             SR=sr, ROUND_BF16=p.dtype is torch.bfloat16, GUARD=self.guard, HAS_COEF=grad_scale is not None,
+            SUMSQ=sumsq is not None,
             EAGER=self.eager_numerics, num_warps=self.num_warps, enable_fp_fusion=not self.eager_numerics,
         )

@@ -157,3 +157,36 @@ def test_fused_needs_triton_on_its_device(monkeypatch):
     with pytest.raises(ValueError, match="fused=True needs Triton"):
         StreamedAdamW8bit(TinyLM().parameters(), fused=True)
     assert StreamedAdamW8bit(TinyLM().parameters())._fused is None
+
+
+@needs_kernel
+def test_kernel_sums_the_squared_gradient():
+    p, g, codes, scales = chunk_case(n_blocks=64, p_dtype=torch.float32)
+    g = torch.nan_to_num(g, nan=0.0, posinf=0.0)
+    acc = torch.full((), 5.0, device=DEV)
+    uk.Update8bit(torch.device(DEV))(p, g, codes, scales, *qmaps_on(DEV), *HYPER, False, sumsq=acc)
+    torch.testing.assert_close(acc, 5.0 + g.double().square().sum().float(), rtol=1e-5, atol=0)
+
+
+@needs_kernel
+def test_fused_updates_in_backward_measure_the_logged_norm():
+    """With updates in backward the fused kernel sums each gradient's squares (no norm kernels on the compute
+    stream); clip_grad_norm_(inf) reports the global norm torch's clip_grad_norm_ computes."""
+    torch.manual_seed(0)
+    ours, plain = TinyLM().to(DEV), TinyLM().to(DEV)
+    opt = StreamedAdamW8bit(param_groups(ours), lr=LR, update_in_backward=True, chunk_numel=4096, fused=True)
+    opt.attach(ours)
+    for step in range(3):
+        plain.load_state_dict(ours.state_dict())  # the weights this step's gradients are taken at
+        ids = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(step)).to(DEV)
+        plain.loss(ids).backward()
+        ours.loss(ids).backward()  # updates run here
+        assert opt._plan.sumsq and set(opt._plan.sumsq) == set(opt._offset) and not set(opt._plan.norms) & set(
+            opt._offset)
+        got = opt.clip_grad_norm_(float("inf"))
+        want = torch.nn.utils.clip_grad_norm_(plain.parameters(), float("inf"))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        opt.step()
+        opt.zero_grad()
+        plain.zero_grad()
+        opt.synchronize()
