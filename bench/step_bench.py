@@ -236,7 +236,8 @@ def main() -> None:
                 p = plan(cfg, batch=a.bs, seq=a.seq, gpu_memory_limit_gb=a.cap or None, max_grad_norm=0.0 if noclip
                          else 1.0, loss_chunk=a.loss_chunk, chunk_numel=a.chunk, activation_offload=a.act_offload,
                          offload_gradients=opt.offload_gradients if not noclip or a.accum > 1 else None,
-                         layer_swap=int(row["extra"]["resident_layers"]) if swap else False, accum=a.accum)
+                         layer_swap=int(row["extra"]["resident_layers"]) if swap else False, accum=a.accum,
+                         fused_update=opt._fused is not None)
                 row["predicted"] = dict(gpu_peak_gib=round(p.gpu_peak_gib, 2), host_peak_gib=round(p.host_peak_gib, 2),
                                         step_s=round(p.step_s, 3), fits=True)
             except PlanError as e:

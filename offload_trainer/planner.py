@@ -192,7 +192,7 @@ class Plan:
 def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool, offload_gradients: bool,
               activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
               resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
-              block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1) -> dict:
+              block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1, fused_update: bool = True) -> dict:
     """Memory of one micro-batch of `batch` x `seq` tokens; traffic and time of one optimizer step of `accum`
     micro-batches. Data parallel over `ranks` processes (`node_ranks` of them on this host): each holds 1/ranks of
     the states; GPU figures are per process, host figures per node."""
@@ -211,7 +211,8 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     largest = V * h
     chunk = min(chunk_numel, largest)
     slots = inflight * chunk * (2 + 8 / block + (2 if offload_gradients else 0)) if not lora else 0
-    update_temps = 2 * 4 * chunk if not lora else 0  # the fused update materialises both fp32 moments of a chunk
+    # torchao's compiled update materialises both fp32 moments of a chunk; the fused kernel keeps them in registers
+    update_temps = 2 * 4 * chunk if not (lora or fused_update) else 0
     adapters = 16 * lora  # LoRA: fp32 weights, gradients and two AdamW moments, all on the GPU
     ckpt_per_layer = T * h * 2
     checkpoints = (2 if activation_offload else L) * ckpt_per_layer  # offloaded: the one in use + one prefetched
@@ -313,7 +314,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
          chunk_numel: int = 2**25, inflight: int = 4, activation_offload: bool | None = None,
          offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
          lora_params: int = 0, weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
-         machine: Machine = Machine()) -> Plan:
+         fused_update: bool = True, machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
 
     `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
@@ -323,6 +324,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     host (default: all): GPU figures are per GPU, host figures (and `host_memory_gb`) for the whole node.
     `lora_params` > 0: LoRA with that many adapter parameters on a frozen base
     of `weight_bits` (16, or 4 for bitsandbytes NF4); the adapters and their optimizer stay on the GPU.
+    `fused_update`: the optimizer's Triton update (its default on CUDA); False: torchao's compiled update.
 
     Raises PlanError, naming the knob to change, when none fits.
     """
@@ -338,7 +340,8 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     host_usable = host_memory_gb * GiB if host_memory_gb else math.inf
     estimate = functools.partial(_estimate, shape, n, clip=clip, loss_chunk=loss_chunk, chunk_numel=chunk_numel,
                                  inflight=inflight, machine=machine, lora=lora_params, weight_bits=weight_bits,
-                                 accum=accum, ranks=ranks, node_ranks=ranks if node_ranks is None else node_ranks)
+                                 accum=accum, ranks=ranks, node_ranks=ranks if node_ranks is None else node_ranks,
+                                 fused_update=fused_update)
     tried = []
     # Every layer resident first (no swap traffic); then as many resident layers as fit.
     if layer_swap is False:

@@ -155,6 +155,15 @@ if triton is not None:
             return a * b + c
 
     @triton.jit
+    def _random16(seed, counter, rows, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        """(ROWS, BLOCK) random 16-bit values: one Philox call gives four (counters: one per 4 values, from
+        `counter`, a multiple of 4, plus the value's index in the chunk, over 4)."""
+        quads = (counter // 4 + rows[:, None] * (BLOCK // 4) + tl.arange(0, BLOCK // 4)[None, :])
+        r0, r1, r2, r3 = tl.randint4x(seed, quads)
+        four = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # (ROWS, BLOCK / 4, 2, 2)
+        return (tl.reshape(four, (ROWS, BLOCK)) & 0xFFFF).to(tl.int32)
+
+    @triton.jit
     def _adamw8bit_kernel(
         p_ptr, g_ptr, codes_ptr, scales_ptr, qmap_ptr, low_s, thr_s, low_u, thr_u, coef_ptr, sumsq_ptr,
         n_blocks, code_stride, scale_stride,
@@ -201,7 +210,7 @@ if triton is not None:
             denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
             p = p - lr * (m / bias_correction1) / denom
         if SR:  # torchao's _fp32_to_bf16_sr: away from zero with probability (low 16 bits) / 2**16
-            rand = (tl.randint(seed, counter + idx) & 0xFFFF).to(tl.int32)
+            rand = _random16(seed, counter, rows, ROWS, BLOCK)
             bits = p.to(tl.int32, bitcast=True)
             bits = (bits & -65536) + tl.where(rand < (bits & 0xFFFF), 0x10000, 0)
             p = bits.to(tl.float32, bitcast=True)
@@ -249,6 +258,8 @@ class Update8bit:
         bs = n // scales.shape[1]
         if bs != 256 or n % bs or not (p.is_contiguous() and grad.is_contiguous()):
             raise ValueError("the fused update wants contiguous tensors in 256-value blocks")
+        if counter % 4:
+            raise ValueError("the Philox counter must be a multiple of 4 (one call draws four values)")
         if codes.stride(1) != 1 or scales.stride(1) != 1:
             raise ValueError("codes and scales rows must be contiguous")
         step = torch.as_tensor(step, dtype=torch.float32)

@@ -4,14 +4,12 @@ The quantizer tests run everywhere. The kernel runs on CUDA, or on CPU under Tri
 installed (conftest sets TRITON_INTERPRET=1 without a GPU); CPU-only torch installs have no Triton, so there they
 are skipped, and the `gpu` run covers them.
 """
-import os
-
 import pytest
 import torch
 from torchao.optim.quant_utils import quantize_8bit_with_qmap
 
 from offload_trainer import update_kernel as uk
-from offload_trainer.optim import StreamedAdamW8bit, adamw8bit_chunk, compile_update
+from offload_trainer.optim import StreamedAdamW8bit, adamw8bit_chunk
 from test_optim import BETAS, LR, rel_l2, run
 from tiny_models import TinyLM, param_groups
 
@@ -69,24 +67,21 @@ HYPER = (torch.tensor(7.0), torch.tensor(1e-3), 0.9, 0.999, 0.01, 1e-8)
 
 
 @needs_kernel
-@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.skipif(
-    os.environ.get("TORCHDYNAMO_DISABLE") == "1", reason="compiles: run with TORCHDYNAMO_DISABLE=0")])],
-    ids=["eager", "compiled"])
 @pytest.mark.parametrize("p_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_kernel_matches_the_torch_update(p_dtype, compiled):
+def test_kernel_matches_the_torch_update(p_dtype):
+    """Against torchao's arithmetic run eagerly: on CUDA bit for bit (H200, 1M values: no code, scale or weight
+    differs); on CPU (Triton's interpreter, numpy) within an ulp, the codes equal."""
     p, g, codes, scales = chunk_case(p_dtype=p_dtype, n_blocks=4096 if DEV == "cuda" else 37)
     ref = [t.clone() for t in (p, codes, scales)]
-    (compile_update(adamw8bit_chunk) if compiled else adamw8bit_chunk)(ref[0], g, ref[1], ref[2], *qmaps_on(DEV),
-                                                                       *HYPER, False)
+    adamw8bit_chunk(ref[0], g, ref[1], ref[2], *qmaps_on(DEV), *HYPER, False)
     uk.Update8bit(torch.device(DEV))(p, g, codes, scales, *qmaps_on(DEV), *HYPER, False)
-    print(f"{p_dtype} {'compiled' if compiled else 'eager'}: codes differ {int((codes != ref[1]).sum())} of "
-          f"{codes.numel()}, weights {int((p != ref[0]).sum())} of {p.numel()}, scales {int((scales != ref[2]).sum())}")
-    # float32 arithmetic may differ by an ulp (fused multiply-adds): a code may flip at a threshold, rarely
-    assert (codes != ref[1]).float().mean() <= 1e-3
-    assert (codes.int() - ref[1].int()).abs().max() <= 1
+    print(f"{p_dtype}: codes differ {int((codes != ref[1]).sum())} of {codes.numel()}, "
+          f"weights {int((p != ref[0]).sum())} of {p.numel()}, scales {int((scales != ref[2]).sum())}")
+    if DEV == "cuda":
+        assert torch.equal(codes, ref[1]) and torch.equal(scales, ref[2]) and torch.equal(p, ref[0])
+    assert torch.equal(codes, ref[1])
     torch.testing.assert_close(scales, ref[2], rtol=1e-6, atol=0)
-    torch.testing.assert_close(p.float(), ref[0].float(), rtol=1e-2 if p_dtype is torch.bfloat16 else 1e-6, atol=0)
-    assert (p == ref[0]).float().mean() >= 0.99
+    torch.testing.assert_close(p.float(), ref[0].float(), rtol=1e-6, atol=0)
     # the blocks holding a NaN (values 256-511) and an infinity (768-1023) kept weights, codes and scales
     before = chunk_case(p_dtype=p_dtype, n_blocks=scales.shape[1])
     assert torch.equal(codes[:, 256:512], before[2][:, 256:512])
@@ -100,8 +95,10 @@ def test_kernel_scales_the_gradient_as_clipping_does():
     p, g, codes, scales = chunk_case(p_dtype=torch.float32)
     coef = torch.tensor(0.37, device=DEV)
     ref = [t.clone() for t in (p, codes, scales)]
+    clipped = g.clone()
+    torch._foreach_mul_([clipped], coef)  # as torch.nn.utils.clip_grads_with_norm_ scales gradients
     update = uk.Update8bit(torch.device(DEV))
-    update(ref[0], g * coef, ref[1], ref[2], *qmaps_on(DEV), *HYPER, False)
+    update(ref[0], clipped, ref[1], ref[2], *qmaps_on(DEV), *HYPER, False)
     update(p, g, codes, scales, *qmaps_on(DEV), *HYPER, False, grad_scale=coef)
     assert torch.equal(p, ref[0]) and torch.equal(codes, ref[1]) and torch.equal(scales, ref[2])
 
