@@ -758,6 +758,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             coef = None
             if flat_g is None:
                 coef = self._plan.clip_coef
+                if coef is not None:  # made on the compute stream, freed with this step's plan
+                    S.keep_alive(coef, S.update)
                 if coef is not None and self._fused is None:
                     g = g * coef  # bf16 * fp32 scalar -> bf16, as clip_grad_norm_ does in place
             else:

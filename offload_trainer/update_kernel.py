@@ -181,12 +181,13 @@ if triton is not None:
         g = g.to(tl.float32)
         if SUMSQ:  # the gradient's squared norm, for logging (before any clipping scale)
             tl.atomic_add(sumsq_ptr, tl.sum(tl.sum(g * g, axis=1), axis=0), sem="relaxed")
-        if HAS_COEF:  # `grad * clip_coef`, rounded to the gradient's dtype as the out-of-place product is
-            g = g * tl.load(coef_ptr)
+        if HAS_COEF:  # `grad.mul_(clip_coef)` on CUDA: the 0-dim scale cast to the gradient's dtype, the product too
+            coef = tl.load(coef_ptr)
             if g_ptr.dtype.element_ty == tl.bfloat16:
-                g = _round_bf16(g)
+                g = _round_bf16(g * _round_bf16(coef))
             else:
-                g = g.to(g_ptr.dtype.element_ty).to(tl.float32)
+                coef = coef.to(g_ptr.dtype.element_ty).to(tl.float32)
+                g = (g * coef).to(g_ptr.dtype.element_ty).to(tl.float32)
         code_m = tl.load(codes_ptr + idx, mask=mask, other=0).to(tl.int32)
         code_v = tl.load(codes_ptr + code_stride + idx, mask=mask, other=0).to(tl.int32)
         scale_m = tl.load(scales_ptr + rows, mask=row_ok, other=0.0)

@@ -93,10 +93,11 @@ def test_kernel_matches_the_torch_update(p_dtype):
 @needs_kernel
 def test_kernel_scales_the_gradient_as_clipping_does():
     p, g, codes, scales = chunk_case(p_dtype=torch.float32)
-    coef = torch.tensor(0.37, device=DEV)
+    coef = torch.tensor(0.3711, device=DEV)  # not a bf16 value
     ref = [t.clone() for t in (p, codes, scales)]
-    clipped = g.clone()
-    torch._foreach_mul_([clipped], coef)  # as torch.nn.utils.clip_grads_with_norm_ scales gradients
+    # as CUDA's in-place multiply by a 0-dim tensor (clip_grads_with_norm_ on bf16 gradients): the scale is cast to
+    # the gradient's dtype first (on CPU the scale would stay float32)
+    clipped = (g.float() * coef.to(g.dtype).float()).to(g.dtype)
     update = uk.Update8bit(torch.device(DEV))
     update(ref[0], clipped, ref[1], ref[2], *qmaps_on(DEV), *HYPER, False)
     update(p, g, codes, scales, *qmaps_on(DEV), *HYPER, False, grad_scale=coef)
