@@ -100,16 +100,24 @@ def test_thin_wide_accumulation_on_the_host(mode):
 
 @pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward_launch_thread"])
 def test_thin_wide_without_syncs_diverges(monkeypatch, mode):
-    """Negative control for the test above: with every stream wait_event removed, it must fail."""
+    """Negative control for the test above: with every stream wait_event removed, it must fail. Whether a read
+    overtakes its copy is a race; with the fused update (0.2 ms per 25M values) one 10-step run stayed exact in 1
+    of 3 on the H200, so up to three runs are made and one must diverge."""
     kw, max_norm = MODES[mode]
-    ref, ref_opt, ours, opt = pair(THIN_WIDE, torch.float32, lr=THIN_LR, chunk_numel=1 << 22, **kw)
-    start = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
-    run(ref, ref_opt, steps=10, accum=1, max_norm=max_norm, seed=2, streamed=False, device="cuda")
-    monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, ev: None)
-    run(ours, opt, steps=10, accum=1, max_norm=max_norm, seed=2, streamed=True, device="cuda")
-    monkeypatch.undo()
-    torch.cuda.synchronize()
-    assert not change_err(ref, ours, start) <= 1e-3  # (NaN counts as diverged)
+    errs = []
+    for seed in (2, 3, 4):
+        ref, ref_opt, ours, opt = pair(THIN_WIDE, torch.float32, lr=THIN_LR, chunk_numel=1 << 22, **dict(kw))
+        start = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
+        run(ref, ref_opt, steps=10, accum=1, max_norm=max_norm, seed=seed, streamed=False, device="cuda")
+        monkeypatch.setattr(torch.cuda.Stream, "wait_event", lambda self, ev: None)
+        run(ours, opt, steps=10, accum=1, max_norm=max_norm, seed=seed, streamed=True, device="cuda")
+        monkeypatch.undo()
+        torch.cuda.synchronize()
+        errs.append(change_err(ref, ours, start))
+        if not errs[-1] <= 1e-3:  # (NaN counts as diverged)
+            break
+    print(f"{mode} without waits: change err {errs}")
+    assert not errs[-1] <= 1e-3
 
 
 def test_resume_mid_run_on_gpu():
