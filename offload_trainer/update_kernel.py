@@ -182,7 +182,7 @@ if triton is not None:
         if SUMSQ:  # the gradient's squared norm, for logging (before any clipping scale)
             tl.atomic_add(sumsq_ptr, tl.sum(tl.sum(g * g, axis=1), axis=0), sem="relaxed")
         if HAS_COEF:  # `grad.mul_(clip_coef)` on CUDA: the 0-dim scale cast to the gradient's dtype, the product too
-            coef = tl.load(coef_ptr)
+            coef = tl.load(coef_ptr).to(tl.float32)  # (bf16 when the norms were: clip_grad_norm_ of bf16 grads)
             if g_ptr.dtype.element_ty == tl.bfloat16:
                 g = _round_bf16(g * _round_bf16(coef))
             else:
