@@ -138,7 +138,8 @@ if triton is not None:
         """float32 -> the nearest bf16 value (ties to even), as float32: in integer ops, because Triton's
         interpreter truncates on conversion where CUDA rounds."""
         bits = x.to(tl.int32, bitcast=True)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, rounded)  # CUDA's NaN (0x7FFFFFFF) would carry into the sign: -0.0
 
     @triton.jit
     def _div(x, y, EAGER: tl.constexpr):
