@@ -48,6 +48,12 @@ def main(paths: list[str]) -> None:
             note = "update compiled with inductor's C++ wrapper; " + note
         if "--backlog-gib" in argv:
             note = f"gradient backlog {argv[argv.index('--backlog-gib') + 1]} GiB (no back-pressure); " + note
+        if e.get("fused_update") is False:  # (rows before the fused kernel have no such field)
+            note = "torchao's compiled update (--unfused); " + note
+        elif e.get("fused_update"):
+            note = ("fused update, fast math; " if "--fast-math" in argv else "fused update; ") + note
+        if "window_step_s" in e:
+            note = f"back to back {e['window_step_s']} s/step; " + note
         if e.get("launch_thread"):  # (rows without it queued the updates from backward's thread)
             note = "updates queued from the launch thread; " + note
         if "resident_layers" in e:

@@ -2,9 +2,11 @@
 
 Weights stay on the GPU. Each trainable tensor's two AdamW moments are kept on the host in torchao's
 blockwise 8-bit format (`OptimState8bit`: uint8 codes + one fp32 scale per block). For the update, a
-chunk of states is copied to a GPU staging slot (H2D stream), updated there by torchao's own
-`single_param_adam` (update stream), and copied back (D2H stream). Slots form a bounded pool: a chunk
-waits (on the GPU, never on the CPU) for its slot's previous copy-back, so GPU memory in flight is fixed.
+chunk of states is copied to a GPU staging slot (H2D stream), updated there (update stream) -- on CUDA by one
+Triton kernel with torchao's arithmetic and codes (update_kernel.py), elsewhere by torchao's own update
+(`adamw8bit_chunk`, compiled on CUDA with `fused=False`) -- and copied back (D2H stream). Slots form a
+bounded pool: a chunk waits (on the GPU, never on the CPU) for its slot's previous copy-back, so GPU memory in
+flight is fixed.
 
 When the updates happen:
 - `update_in_backward=True`: from post-accumulate-grad hooks, as each gradient is ready (no clipping
