@@ -465,6 +465,7 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
                 loss_chunk=getattr(args, "loss_chunk_size", 1024),
                 chunk_numel=getattr(args, "offload_chunk_numel", 2**25),
                 inflight=getattr(args, "offload_inflight_chunks", 4),
+                fused_update=getattr(args, "offload_fused_update", None) is not False,
                 activation_offload=getattr(args, "activation_offload", None) if gpu else
                 bool(getattr(args, "activation_offload", False)),
                 offload_gradients=getattr(args, "offload_gradients", None) if gpu else

@@ -432,6 +432,7 @@ class OffloadMixin:
                 chunk_numel=self._flag("offload_chunk_numel"),
                 inflight_chunks=self._flag("offload_inflight_chunks"),
                 sharding=Sharding() if self._sharded() else None,
+                fused=self._flag("offload_fused_update"),
             )
             self._offload_opt.attach(model)
             if self._swap is not None:
