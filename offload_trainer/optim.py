@@ -692,7 +692,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         flat_p = p.detach().view(-1)
         flat_g = None if on_host else grad.view(-1)
         sumsq = None
-        if not on_host and self.update_in_backward and self._norm_in_update(p):
+        if not on_host and self._norm_in_update(p):  # (in backward the gradient is always on the device)
             with S.on(S.update):
                 sumsq = self._plan.sumsq[p] = torch.zeros((), dtype=torch.float32, device=self.device)
             S.keep_alive(sumsq, S.compute())  # read there by clip_grad_norm_
@@ -703,8 +703,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     def _host_chunks(self, p: Tensor) -> list:
         """`p`'s chunks: (start, end, host code rows, host scale rows, host gradient, start in the flat host
-        buffers) -- views made once, since
-        indexing costs microseconds of CPU per call and the updates run from backward hooks."""
+        buffers) -- views made once, since indexing costs microseconds of CPU per call and the updates run from
+        backward hooks."""
         chunks = self._chunks.get(p)
         if chunks is None:
             bs, off, n = self.block_size, self._offset[p], p.numel()
