@@ -13,6 +13,8 @@ model (its `_set_gradient_checkpointing` hook, the only seam transformers offers
 """
 from __future__ import annotations
 
+import collections
+
 import torch
 from torch import Tensor
 
@@ -31,11 +33,22 @@ class _Entry:
 
 
 class ActivationOffloader:
-    """Offloads the first tensor argument of each checkpointed call; one instance per model."""
+    """Offloads the first tensor argument of each checkpointed call; one instance per model.
 
-    def __init__(self, device: torch.device | str, *, prefetch: int = 1):
+    `max_inflight`: inputs whose copy to the host may still be pending before forward's CPU waits for the oldest
+    (None: no bound). An offloaded input's GPU block is reusable only once its copy has run; the CPU queues a
+    checkpointed forward far ahead of the GPU, so without a bound each layer may get a fresh block. On the H200
+    the reserved GPU memory with activation offload exceeded the allocated peak by 0.45-1.2x the offloaded inputs
+    (bench/results/README.md, "Fused update kernel"); whether this bound removes that is not measured yet.
+    """
+
+    def __init__(self, device: torch.device | str, *, prefetch: int = 1, max_inflight: int | None = None):
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError(f"max_inflight={max_inflight}: use None (no bound) or at least 1")
         self.device = torch.device(device)
         self.prefetch = prefetch
+        self.max_inflight = max_inflight
+        self._pending: collections.deque = collections.deque()  # copy-done events of offloaded inputs, oldest first
         self._streams = Streams(self.device)
         self._host: dict[int, Tensor] = {}  # pinned buffers, reused across steps (index = layer call order)
         self._entries: list[_Entry] = []
@@ -51,6 +64,7 @@ class ActivationOffloader:
     def reset(self) -> None:
         """Forget the saved inputs of an abandoned forward (a new forward starts the count again)."""
         self._entries = []
+        self._pending.clear()
 
     # -------------------------------------------------------------- forward side
     def _save(self, x: Tensor) -> int:
@@ -66,8 +80,13 @@ class ActivationOffloader:
         with S.on(S.d2h):
             dst.copy_(x.detach().reshape(-1), non_blocking=True)
         S.keep_alive(x, S.d2h)  # x's GPU memory is reused only after the copy lands
-        self._entries.append(_Entry(dst, x.shape, x.dtype, S.record(S.d2h)))
+        stored = S.record(S.d2h)
+        self._entries.append(_Entry(dst, x.shape, x.dtype, stored))
         self.stats["d2h_bytes"] += x.numel() * x.element_size()
+        if self.max_inflight is not None:
+            self._pending.append(stored)
+            while len(self._pending) > self.max_inflight:
+                self._pending.popleft().synchronize()  # the CPU waits; the GPU still has the queued layers to run
         return idx
 
     # -------------------------------------------------------------- backward side
@@ -143,14 +162,15 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         return (None, None, None, None, x.grad if ctx.x_requires_grad else None, *rest_grads)
 
 
-def enable_activation_offload(model: torch.nn.Module, *, prefetch: int = 1) -> ActivationOffloader:
+def enable_activation_offload(model: torch.nn.Module, *, prefetch: int = 1,
+                              max_inflight: int | None = None) -> ActivationOffloader:
     """Turn on gradient checkpointing of a transformers model with offloaded layer inputs."""
     if not hasattr(model, "_set_gradient_checkpointing"):
         raise TypeError("enable_activation_offload needs a transformers PreTrainedModel; from a bare loop, "
                         "call ActivationOffloader(device).checkpoint(layer, x) in place of checkpoint()")
     offloader = getattr(model, "_offload_trainer_activations", None)
     if offloader is None:
-        offloader = ActivationOffloader(next(model.parameters()).device, prefetch=prefetch)
+        offloader = ActivationOffloader(next(model.parameters()).device, prefetch=prefetch, max_inflight=max_inflight)
         model._offload_trainer_activations = offloader
         model.register_forward_pre_hook(lambda module, args: offloader.reset())
     layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]

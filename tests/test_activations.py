@@ -51,3 +51,24 @@ def test_bare_loop_checkpoint_function():
     off = ActivationOffloader("cpu")
     got = torch.autograd.grad(off.checkpoint(layer, x).sum(), x)[0]
     assert torch.equal(ref, got)
+
+
+def test_max_inflight_bounds_pending_copies(monkeypatch):
+    """Forward's CPU waits for the oldest pending copy once more than `max_inflight` are queued, oldest first."""
+    model, _, train = tiny_setup(layers=4)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    offloader = enable_activation_offload(model, max_inflight=2)
+    waited = []
+
+    class Event:
+        def synchronize(self):
+            waited.append(self)
+
+    monkeypatch.setattr(offloader._streams, "record", lambda stream: Event())
+    loss = model(**batch_of(train)).loss  # forward: 4 inputs offloaded
+    stored = [e.stored for e in offloader._entries]
+    assert len(stored) == 4 and waited == stored[:2]
+    loss.backward()
+    with pytest.raises(ValueError, match="max_inflight"):
+        ActivationOffloader("cpu", max_inflight=0)
