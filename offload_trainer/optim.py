@@ -760,8 +760,6 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             coef = None
             if flat_g is None:
                 coef = self._plan.clip_coef
-                if coef is not None:  # made on the compute stream, freed with this step's plan
-                    S.keep_alive(coef, S.update)
                 if coef is not None and self._fused is None:
                     g = g * coef  # bf16 * fp32 scalar -> bf16, as clip_grad_norm_ does in place
             else:
@@ -824,6 +822,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             torch.nn.utils.clip_grads_with_norm_(on_device, max_norm, total)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             self._plan.clip_coef = coef.to(self.device)
+            S.keep_alive(self._plan.clip_coef, S.update)  # read by the updates, freed with this step's plan
         return total
 
     def _gather_norms(self, own: dict) -> dict:

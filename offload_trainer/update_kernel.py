@@ -260,8 +260,10 @@ class Update8bit:
                  step: Tensor | float, lr: Tensor | float, beta1: float, beta2: float, weight_decay: float,
                  eps: float, bf16_stochastic_round: bool, *, counter: int = 0, grad_scale: Tensor | None = None,
                  sumsq: Tensor | None = None):
-        """`grad_scale`: a 0-dim float32 tensor the gradient is multiplied by first (clipping). `sumsq`: a 0-dim
-        float32 tensor the gradient's sum of squares is added to (atomically: the order of the sum varies)."""
+        """`grad_scale`: a 0-dim tensor the gradient is multiplied by first (clipping). `sumsq`: a 0-dim float32
+        tensor the gradient's sum of squares is added to (atomically: the order of the sum varies). `qmap_signed`
+        and `qmap_unsigned` are accepted for `adamw8bit_chunk`'s signature and not read: the kernel holds torchao's
+        maps and their tables itself."""
         n = p.numel()
         bs = n // scales.shape[1]
         if bs != 256 or n % bs or not (p.is_contiguous() and grad.is_contiguous()):

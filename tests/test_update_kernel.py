@@ -105,7 +105,7 @@ def test_kernel_scales_the_gradient_as_clipping_does():
     print(f"scaled in the kernel vs before it: weights differ {int((p != ref[0]).sum())} of {p.numel()}, "
           f"codes {int((codes != ref[1]).sum())}, scales {int((scales != ref[2]).sum())}")
     assert torch.equal(p, ref[0]) and torch.equal(codes, ref[1]) and torch.equal(scales, ref[2])
-    unscaled, codes0, scales0 = chunk_case(p_dtype=torch.float32)[0], chunk_case()[2], chunk_case()[3]
+    unscaled, _, codes0, scales0 = chunk_case(p_dtype=torch.float32)
     update(unscaled, g, codes0, scales0, *qmaps_on(DEV), *HYPER, False)
     assert not torch.allclose(unscaled, p, rtol=1e-6, atol=0)  # the scale changes the update
 
