@@ -313,14 +313,14 @@ def main() -> None:
         measured = times[a.warmup:]
         med = statistics.median(measured)
         row.update(tok_per_s=round(row["tokens_per_step"] / med, 1), step_s_median=round(med, 4))
-        if a.window and not a.soak:
-            row["extra"].update(window(step, a.steps, row["tokens_per_step"]))
         # Allocator events over the timed steps (retries = the cap was hit: cached blocks freed after a device-wide
         # sync), and how long the CPU took to queue a step (close to the step time when the CPU is the bottleneck --
         # or when it is held back: by a sync, or by a full kernel launch queue, as in native rows)
         row["extra"]["allocator_over_timed_steps"] = {k: v - alloc_before.get(k, 0)
                                                       for k, v in allocator_counts().items()}
         row["extra"]["cpu_queue_s_median"] = round(statistics.median(cpu_side[a.warmup:]), 4)
+        if a.window and not a.soak:  # (after the allocator counts, which cover the timed steps only)
+            row["extra"].update(window(step, a.steps, row["tokens_per_step"]))
         row["extra"].update(step_s=[round(t, 4) for t in times], losses=losses, first_step_s=round(times[0], 2),
                             tok_per_s_best=round(row["tokens_per_step"] / min(measured), 1))
         if swap is not None:
