@@ -52,6 +52,12 @@ def main(paths: list[str]) -> None:
             note = "torchao's compiled update (--unfused); " + note
         elif e.get("fused_update"):
             note = ("fused update, fast math; " if "--fast-math" in argv else "fused update; ") + note
+        if "--programs" in argv:
+            note = f"kernel grid capped at {argv[argv.index('--programs') + 1]} programs; " + note
+        if "--update-priority" in argv:
+            note = f"update stream priority {argv[argv.index('--update-priority') + 1]}; " + note
+        if "--act-inflight" in argv:
+            note = f"at most {argv[argv.index('--act-inflight') + 1]} activation copies in flight; " + note
         if "window_step_s" in e:
             note = f"back to back {e['window_step_s']} s/step; " + note
         if e.get("launch_thread"):  # (rows without it queued the updates from backward's thread)
