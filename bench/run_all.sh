@@ -9,7 +9,7 @@ export RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)-$RANDOM}
 export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 for spec in "$@"; do
-  echo "=== $spec"
+  echo "=== $spec ($(date +%T))"
   # shellcheck disable=SC2086
   timeout "${ROW_TIMEOUT:-240}" ${LAUNCH:-python3} bench/step_bench.py $spec --out "$out" || echo "row failed: $spec (rc $?)"
 done
