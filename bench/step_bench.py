@@ -38,16 +38,6 @@ import torch
 from offload_trainer.sysinfo import peak_rss_gib
 
 
-def fused_options(a) -> dict | None:
-    """The fused update's options from the command line (None: its defaults)."""
-    options = {}
-    if a.fast_math:
-        options["eager_numerics"] = False
-    if a.programs:
-        options["programs"] = a.programs
-    return options or None
-
-
 def gpu_idle_ms(step_fn, trace: str | None = None) -> dict:
     """Profile one step: time the compute stream sat idle (wall time minus the union of its kernels).
     `trace`: also write the step's events, compactly, to this gzipped JSON file (read by bench/trace_gaps.py)."""
@@ -154,10 +144,6 @@ def main() -> None:
                     "sync at the end (extra.tok_per_s_window)")
     ap.add_argument("--fast-math", action="store_true",
                     help="offload_trainer: the fused kernel with Triton's approximate division and contraction")
-    ap.add_argument("--programs", type=int, default=None,
-                    help="offload_trainer: cap the fused kernel's grid at N programs (SMs left to backward)")
-    ap.add_argument("--update-priority", type=int, default=-1,
-                    help="offload_trainer: CUDA priority of the update stream (0: the compute stream's)")
     ap.add_argument("--unfused", action="store_true",
                     help="offload_trainer: torchao's compiled update instead of the fused kernel (fused=False)")
     ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
@@ -243,8 +229,8 @@ def main() -> None:
                                     chunk_numel=a.chunk, sharding=shard,
                                     compile={"cpp_wrapper": True} if a.cpp_wrapper else None,
                                     grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30),
-                                    launch_thread=a.launch_thread, update_priority=a.update_priority,
-                                    fused=False if a.unfused else fused_options(a))
+                                    launch_thread=a.launch_thread,
+                                    fused=False if a.unfused else {"eager_numerics": False} if a.fast_math else None)
             row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk,
                                 fused_update=opt._fused is not None)
             from offload_trainer.planner import PlanError, plan

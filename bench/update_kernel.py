@@ -15,8 +15,7 @@ without asserts was the default) named the variants differently: in s14f "ours" 
   ours_no_guard         without the non-finite guard (plain copies into codes, scales and weights)
   ours_no_sr            bf16_stochastic_round=False
   fused                 offload_trainer.update_kernel.Update8bit: one Triton kernel, two-lookup quantizer (the default
-                        since the fused update landed); fused_rows{2,8}, fused_warps8: its block shape;
-                        fused_p{16,33,66,132,264}: its grid capped at that many programs (the H200 has 132 SMs)
+                        since the fused update landed); fused_rows{2,8}, fused_warps8: its block shape
   fused_no_sr           the same, bf16_stochastic_round=False
   fused_fast_math       the same, eager_numerics=False (Triton's approximate division, contraction)
   torchao               torchao's single_param_adam on two OptimState8bit (what torchao AdamW8bit runs per tensor)
@@ -94,7 +93,6 @@ def main() -> None:
         "fused_rows2": call(Update8bit(torch.device(dev), rows=2)),
         "fused_rows8": call(Update8bit(torch.device(dev), rows=8)),
         "fused_warps8": call(Update8bit(torch.device(dev), rows=8, num_warps=8)),
-        **{f"fused_p{n}": call(Update8bit(torch.device(dev), programs=n)) for n in (16, 33, 66, 132, 264)},
         "fused_no_sr": call(Update8bit(torch.device(dev)), sr=False),
         "fused_fast_math": call(Update8bit(torch.device(dev), eager_numerics=False)),
         "torchao": (lambda f: lambda: f(p, grad, step, states[0], states[1], None, *hyper, True, True))(

@@ -178,8 +178,6 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     the H200 it removed the compute stream's waits for the CPU but left the step time within run-to-run noise (3B
     at 4 x 2048: 0.573 vs 0.580 s; the step is then bound by the GPU, where the updates share the SMs with
     backward; at 1 x 2048 backward's own launches, slowed by the shared GIL, bound it): not worth a second thread.
-    `update_priority`: the CUDA priority of the update stream (-1, high, by default: the next forward waits for the
-    updates queued by `step()`; 0 is the compute stream's).
     """
 
     def __init__(
@@ -200,7 +198,6 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         sharding: Sharding | None = None,
         grad_backlog_bytes: int | None = None,
         launch_thread: bool = False,
-        update_priority: int = -1,
         fused: bool | dict | None = None,
         seed: int | None = None,
     ) -> None:
@@ -230,7 +227,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self.device = accel.pop() if accel else torch.device("cpu")
         self._shard = sharding if sharding is not None and sharding.world_size > 1 else None
         self._owner = self._shard.owners(self._params) if self._shard is not None else {}
-        self._streams = Streams(self.device, comm_streams=self._shard is not None, update_priority=update_priority)
+        self._streams = Streams(self.device, comm_streams=self._shard is not None)
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         self._step_fn, self._chunk_fn = single_param_adam, adamw8bit_chunk
         if compile if compile is not None else self.device.type == "cuda":

@@ -67,8 +67,7 @@ def _ids(stream) -> tuple:
 class Streams:
     """The compute device's streams: `h2d`, `update`, `d2h`; `compute()` is whatever is current."""
 
-    def __init__(self, device: torch.device, *, update_stream: bool = True, comm_streams: bool = False,
-                 update_priority: int = -1):
+    def __init__(self, device: torch.device, *, update_stream: bool = True, comm_streams: bool = False):
         self.device = device
         self.is_cuda = device.type == "cuda"
         # Data parallel (distributed.py): two streams that only wait for collectives -- gradient reductions
@@ -79,9 +78,8 @@ class Streams:
                 self.reduced, self.published = torch.cuda.Stream(device), torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
             # High priority: the next forward waits for these updates, and without priority the update kernels
-            # get few SMs next to the forward's matmuls (measured 3.5x slower on 8B). `update_priority=0`: the
-            # compute stream's (the default stream's) priority.
-            self.update = torch.cuda.Stream(device, priority=update_priority) if update_stream else None
+            # get few SMs next to the forward's matmuls (measured 3.5x slower on 8B).
+            self.update = torch.cuda.Stream(device, priority=-1) if update_stream else None
             self.d2h = torch.cuda.Stream(device)
             self._index = self.h2d.device_index
             self._known = {}  # (stream id, device, type) -> Stream: the compute streams seen

@@ -178,66 +178,61 @@ if triton is not None:
         NB: tl.constexpr, SR: tl.constexpr, ROUND_BF16: tl.constexpr, EAGER: tl.constexpr, GUARD: tl.constexpr,
         HAS_COEF: tl.constexpr, SUMSQ: tl.constexpr,
     ):
-        # programs stride over the chunk's tiles (one tile each unless the grid is capped: `Update8bit(programs=)`);
-        # a while loop, since Triton's interpreter cannot take a scalar as a range bound under numpy 2
-        tile = tl.program_id(0)
-        while tile < tl.cdiv(n_blocks, ROWS):
-            rows = tile.to(tl.int64) * ROWS + tl.arange(0, ROWS)
-            row_ok = rows < n_blocks
-            idx = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-            mask = row_ok[:, None]
-            p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + idx, mask=mask, other=0.0)
-            g = g.to(tl.float32)
-            if SUMSQ:  # the gradient's squared norm, for logging (before any clipping scale)
-                tl.atomic_add(sumsq_ptr, tl.sum(tl.sum(g * g, axis=1), axis=0), sem="relaxed")
-            if HAS_COEF:  # `grad.mul_(clip_coef)` on CUDA: the 0-dim scale and the product in the gradient's dtype
-                coef = tl.load(coef_ptr).to(tl.float32)  # (bf16 when the norms were: clip_grad_norm_ of bf16 grads)
-                if g_ptr.dtype.element_ty == tl.bfloat16:
-                    g = _round_bf16(g * _round_bf16(coef))
-                else:
-                    coef = coef.to(g_ptr.dtype.element_ty).to(tl.float32)
-                    g = (g * coef).to(g_ptr.dtype.element_ty).to(tl.float32)
-            code_m = tl.load(codes_ptr + idx, mask=mask, other=0).to(tl.int32)
-            code_v = tl.load(codes_ptr + code_stride + idx, mask=mask, other=0).to(tl.int32)
-            scale_m = tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
-            scale_v = tl.load(scales_ptr + scale_stride + rows, mask=row_ok, other=0.0)
-            # torchao's single_param_adam, AdamW branch, in its order
-            p = p - lr * weight_decay * p
-            m = tl.load(qmap_ptr + code_m) * scale_m[:, None]
-            v = tl.load(qmap_ptr + 256 + code_v) * scale_v[:, None]
-            m = _fma(w1, g - m, m, EAGER)  # torch.lerp(m, g, w1) for w1 < 0.5, as its CUDA kernel computes it
-            v = _fma(w2, g * g - v, v, EAGER)
-            finite = (tl.abs(m) < float("inf")) & (tl.abs(v) < float("inf"))
-            ok = tl.min(finite.to(tl.int32), axis=1) > 0  # per block, as the guard of optim.adamw8bit_chunk
-            new_scale_m = tl.maximum(tl.max(tl.abs(m), axis=1), 1e-12)
-            new_scale_v = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12)
-            new_m = _quantize(_div(m, new_scale_m[:, None], EAGER), low_s, thr_s, FIRST_KEY, LAST_KEY, NB)
-            new_v = _quantize(_div(v, new_scale_v[:, None], EAGER), low_u, thr_u, FIRST_KEY, LAST_KEY, NB)
-            if EAGER:  # eager CUDA divides by a host scalar as a product with its reciprocal
-                denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
-                p = p - tl.div_rn(lr * (m * inv_bc1), denom)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        row_ok = rows < n_blocks
+        idx = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+        mask = row_ok[:, None]
+        p = tl.load(p_ptr + idx, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + idx, mask=mask, other=0.0)
+        g = g.to(tl.float32)
+        if SUMSQ:  # the gradient's squared norm, for logging (before any clipping scale)
+            tl.atomic_add(sumsq_ptr, tl.sum(tl.sum(g * g, axis=1), axis=0), sem="relaxed")
+        if HAS_COEF:  # `grad.mul_(clip_coef)` on CUDA: the 0-dim scale cast to the gradient's dtype, the product too
+            coef = tl.load(coef_ptr).to(tl.float32)  # (bf16 when the norms were: clip_grad_norm_ of bf16 grads)
+            if g_ptr.dtype.element_ty == tl.bfloat16:
+                g = _round_bf16(g * _round_bf16(coef))
             else:
-                denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
-                p = p - lr * (m / bias_correction1) / denom
-            if SR:  # torchao's _fp32_to_bf16_sr: away from zero with probability (low 16 bits) / 2**16
-                rand = _random16(seed, counter, rows, ROWS, BLOCK)
-                bits = p.to(tl.int32, bitcast=True)
-                bits = (bits & -65536) + tl.where(rand < (bits & 0xFFFF), 0x10000, 0)
-                p = bits.to(tl.float32, bitcast=True)
-            elif ROUND_BF16:
-                p = _round_bf16(p)
-            store = mask
-            store_row = row_ok
-            if GUARD:
-                store = mask & ok[:, None]
-                store_row = row_ok & ok
-            tl.store(p_ptr + idx, p.to(p_ptr.dtype.element_ty), mask=store)
-            tl.store(codes_ptr + idx, new_m.to(tl.uint8), mask=store)
-            tl.store(codes_ptr + code_stride + idx, new_v.to(tl.uint8), mask=store)
-            tl.store(scales_ptr + rows, new_scale_m, mask=store_row)
-            tl.store(scales_ptr + scale_stride + rows, new_scale_v, mask=store_row)
-            tile += tl.num_programs(0)
+                coef = coef.to(g_ptr.dtype.element_ty).to(tl.float32)
+                g = (g * coef).to(g_ptr.dtype.element_ty).to(tl.float32)
+        code_m = tl.load(codes_ptr + idx, mask=mask, other=0).to(tl.int32)
+        code_v = tl.load(codes_ptr + code_stride + idx, mask=mask, other=0).to(tl.int32)
+        scale_m = tl.load(scales_ptr + rows, mask=row_ok, other=0.0)
+        scale_v = tl.load(scales_ptr + scale_stride + rows, mask=row_ok, other=0.0)
+        # torchao's single_param_adam, AdamW branch, in its order
+        p = p - lr * weight_decay * p
+        m = tl.load(qmap_ptr + code_m) * scale_m[:, None]
+        v = tl.load(qmap_ptr + 256 + code_v) * scale_v[:, None]
+        m = _fma(w1, g - m, m, EAGER)  # torch.lerp(m, g, w1) for w1 < 0.5, as its CUDA kernel computes it
+        v = _fma(w2, g * g - v, v, EAGER)
+        finite = (tl.abs(m) < float("inf")) & (tl.abs(v) < float("inf"))
+        ok = tl.min(finite.to(tl.int32), axis=1) > 0  # per block, as the guard of optim.adamw8bit_chunk
+        new_scale_m = tl.maximum(tl.max(tl.abs(m), axis=1), 1e-12)
+        new_scale_v = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12)
+        new_m = _quantize(_div(m, new_scale_m[:, None], EAGER), low_s, thr_s, FIRST_KEY, LAST_KEY, NB)
+        new_v = _quantize(_div(v, new_scale_v[:, None], EAGER), low_u, thr_u, FIRST_KEY, LAST_KEY, NB)
+        if EAGER:  # eager CUDA divides by a host scalar as a product with its reciprocal
+            denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
+            p = p - tl.div_rn(lr * (m * inv_bc1), denom)
+        else:
+            denom = tl.sqrt_rn(v) / bias_correction2_sqrt + eps
+            p = p - lr * (m / bias_correction1) / denom
+        if SR:  # torchao's _fp32_to_bf16_sr: away from zero with probability (low 16 bits) / 2**16
+            rand = _random16(seed, counter, rows, ROWS, BLOCK)
+            bits = p.to(tl.int32, bitcast=True)
+            bits = (bits & -65536) + tl.where(rand < (bits & 0xFFFF), 0x10000, 0)
+            p = bits.to(tl.float32, bitcast=True)
+        elif ROUND_BF16:
+            p = _round_bf16(p)
+        store = mask
+        store_row = row_ok
+        if GUARD:
+            store = mask & ok[:, None]
+            store_row = row_ok & ok
+        tl.store(p_ptr + idx, p.to(p_ptr.dtype.element_ty), mask=store)
+        tl.store(codes_ptr + idx, new_m.to(tl.uint8), mask=store)
+        tl.store(codes_ptr + code_stride + idx, new_v.to(tl.uint8), mask=store)
+        tl.store(scales_ptr + rows, new_scale_m, mask=store_row)
+        tl.store(scales_ptr + scale_stride + rows, new_scale_v, mask=store_row)
 
 
 class Update8bit:
@@ -248,15 +243,10 @@ class Update8bit:
     `eager_numerics`: round every operation as torch's eager CUDA kernels do (correctly rounded divisions and square
     roots, no fused multiply-adds but the one inside lerp), so that results match torchao's update run eagerly, bit
     for bit where the order of operations is the same. False: Triton's defaults (approximate division, contraction).
-    `programs`: at most this many programs, each striding over the chunk (default: one per `rows` blocks, which fills
-    every SM). Fewer leave SMs to kernels of other streams (backward's, when updating during backward); the results
-    do not depend on it.
     """
 
     def __init__(self, device, *, seed: int = 0, rows: int = 4, num_warps: int = 4, guard: bool = True,
-                 eager_numerics: bool = True, programs: int | None = None) -> None:
-        if programs is not None and programs < 1:
-            raise ValueError(f"programs must be >= 1, got {programs}")
+                 eager_numerics: bool = True) -> None:
         if triton is None:
             raise RuntimeError("the fused 8-bit update needs Triton (it ships with CUDA builds of torch)")
         qmaps, signed, unsigned = default_tables()
@@ -265,7 +255,6 @@ class Update8bit:
         self.seed = seed & (2**63 - 1)  # torch.initial_seed() may use all 64 bits; Triton takes an int64 here
         self.rows, self.num_warps, self.guard = rows, num_warps, guard
         self.eager_numerics = eager_numerics
-        self.programs = programs
 
     def __call__(self, p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap_signed, qmap_unsigned,
                  step: Tensor | float, lr: Tensor | float, beta1: float, beta2: float, weight_decay: float,
@@ -291,8 +280,7 @@ class Update8bit:
         sr = bool(bf16_stochastic_round) and p.dtype is torch.bfloat16
         blocks = n // bs
         s, u = self.tables
-        grid = triton.cdiv(blocks, self.rows)
-        _adamw8bit_kernel[(grid if self.programs is None else min(grid, self.programs),)](
+        _adamw8bit_kernel[(triton.cdiv(blocks, self.rows),)](
             p, grad, codes, scales, self.qmaps, s.low_code, s.next_threshold, u.low_code, u.next_threshold,
             grad_scale if grad_scale is not None else scales, sumsq if sumsq is not None else scales,
             blocks, codes.stride(0), scales.stride(0),

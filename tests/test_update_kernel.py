@@ -164,29 +164,6 @@ def test_fused_needs_triton_on_its_device(monkeypatch):
 
 
 @needs_kernel
-def test_kernel_with_fewer_programs_gives_the_same_update():
-    """A capped grid (programs striding over the tiles) changes where each tile runs, not what it computes: the same
-    weights (stochastic rounding included), codes and scales as one program per tile; the squared-gradient sum agrees
-    up to its (atomic) order."""
-    out = []
-    for programs in (None, 3):
-        p, g, codes, scales = chunk_case(n_blocks=37)
-        acc = torch.zeros((), device=DEV)
-        uk.Update8bit(torch.device(DEV), seed=7, programs=programs)(
-            p, torch.nan_to_num(g, nan=0.0, posinf=0.0), codes, scales, *qmaps_on(DEV), *HYPER, True, counter=4096,
-            sumsq=acc)
-        out.append((p, codes, scales, acc))
-    (p0, c0, s0, a0), (p1, c1, s1, a1) = out
-    assert torch.equal(p0, p1) and torch.equal(c0, c1) and torch.equal(s0, s1)
-    torch.testing.assert_close(a0, a1, rtol=1e-5, atol=0)
-    before = chunk_case(n_blocks=37)
-    assert int((c1 != before[2]).sum()) > 0 and int((p1 != before[0]).sum()) > 0  # every tile was updated:
-    assert bool((s1 != before[3]).all())  # each block's scales changed (37 blocks, 10 tiles, 3 programs)
-    with pytest.raises(ValueError, match="programs"):
-        uk.Update8bit(torch.device(DEV), programs=0)
-
-
-@needs_kernel
 def test_kernel_sums_the_squared_gradient():
     p, g, codes, scales = chunk_case(n_blocks=64, p_dtype=torch.float32)
     g = torch.nan_to_num(g, nan=0.0, posinf=0.0)
