@@ -58,6 +58,8 @@ def main(paths: list[str]) -> None:
             note = f"update stream priority {argv[argv.index('--update-priority') + 1]}; " + note
         if "--act-inflight" in argv:
             note = f"at most {argv[argv.index('--act-inflight') + 1]} activation copies in flight; " + note
+        if e.get("device_state_gib"):
+            note = f"{e['device_state_gib']:g} GiB of states on the GPU (input embedding); " + note
         if "window_step_s" in e:
             note = f"back to back {e['window_step_s']} s/step; " + note
         if e.get("launch_thread"):  # (rows without it queued the updates from backward's thread)

@@ -144,6 +144,9 @@ def main() -> None:
                     "sync at the end (extra.tok_per_s_window)")
     ap.add_argument("--fast-math", action="store_true",
                     help="offload_trainer: the fused kernel with Triton's approximate division and contraction")
+    ap.add_argument("--device-states", default="auto",
+                    help="offload_trainer: GiB of 8-bit states kept on the GPU, or auto (the planner: the input "
+                         "embedding's when the cap leaves room) or off")
     ap.add_argument("--unfused", action="store_true",
                     help="offload_trainer: torchao's compiled update instead of the fused kernel (fused=False)")
     ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
@@ -224,27 +227,33 @@ def main() -> None:
                 from offload_trainer.distributed import Sharding
 
                 shard = Sharding()
-            opt = StreamedAdamW8bit(model.parameters(), lr=1e-5, update_in_backward=noclip,
-                                    offload_gradients=(not noclip or a.accum > 1) and not a.grads_on_gpu,
-                                    chunk_numel=a.chunk, sharding=shard,
-                                    compile={"cpp_wrapper": True} if a.cpp_wrapper else None,
-                                    grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30),
-                                    launch_thread=a.launch_thread,
-                                    fused=False if a.unfused else {"eager_numerics": False} if a.fast_math else None)
-            row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk,
-                                fused_update=opt._fused is not None)
-            from offload_trainer.planner import PlanError, plan
+            from offload_trainer import update_kernel
+            from offload_trainer.planner import PlanError, device_state_setting, plan
 
+            offload_grads = (not noclip or a.accum > 1) and not a.grads_on_gpu
+            fused = False if a.unfused else {"eager_numerics": False} if a.fast_math else None
+            states = device_state_setting(a.device_states)
             try:
                 p = plan(cfg, batch=a.bs, seq=a.seq, gpu_memory_limit_gb=a.cap or None, max_grad_norm=0.0 if noclip
                          else 1.0, loss_chunk=a.loss_chunk, chunk_numel=a.chunk, activation_offload=a.act_offload,
-                         offload_gradients=opt.offload_gradients if not noclip or a.accum > 1 else None,
+                         offload_gradients=offload_grads if not noclip or a.accum > 1 else None,
                          layer_swap=int(row["extra"]["resident_layers"]) if swap else False, accum=a.accum,
-                         fused_update=opt._fused is not None)
+                         fused_update=fused is not False and update_kernel.available(torch.device("cuda")),
+                         device_states=states)
                 row["predicted"] = dict(gpu_peak_gib=round(p.gpu_peak_gib, 2), host_peak_gib=round(p.host_peak_gib, 2),
                                         step_s=round(p.step_s, 3), fits=True)
+                device_state_gib = p.device_state_gib
             except PlanError as e:
                 row["predicted"] = dict(fits=False, reason=str(e)[:300])
+                device_state_gib = 0.0 if states == "auto" else states
+            opt = StreamedAdamW8bit(model.parameters(), lr=1e-5, update_in_backward=noclip,
+                                    offload_gradients=offload_grads, chunk_numel=a.chunk, sharding=shard,
+                                    compile={"cpp_wrapper": True} if a.cpp_wrapper else None,
+                                    grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30),
+                                    launch_thread=a.launch_thread, fused=fused,
+                                    device_state_bytes=int(device_state_gib * 2**30))
+            row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk,
+                                fused_update=opt._fused is not None, device_state_gib=round(device_state_gib, 3))
             opt.attach(model)
             if swap is not None:
                 opt.set_residency(swap.touch)

@@ -160,6 +160,13 @@ class OffloadTrainingArguments(TrainingArguments):
                           "~2.5x faster on the GPU). None: where Triton runs (CUDA); false: torchao's compiled "
                           "update."},
     )
+    offload_device_states: str = field(
+        default="auto",
+        metadata={"help": "8-bit AdamW states kept on the GPU instead of streamed, for the tensors backward reaches "
+                          "last (their copies could not overlap anything). 'auto': the input embedding's, when the "
+                          "plan for gpu_memory_limit_gb leaves room; a number: that many GiB (the model's first "
+                          "tensors that fit); 0: every state streamed."},
+    )
     master_weights: str = field(
         default="bf16_sr",
         metadata={"help": "How bf16 weights absorb tiny updates: 'bf16_sr' (stochastic rounding, default, no "
@@ -242,6 +249,15 @@ class OffloadTrainingArguments(TrainingArguments):
         if self.layer_swap != "off" and not checkpointing_on(self):
             raise ValueError("layer_swap fetches each swapped layer again for its recompute in backward: set "
                              "gradient_checkpointing: true as well")
+        self.offload_device_states = str(self.offload_device_states).strip().lower()
+        if self.offload_device_states in ("false", "no", "none", "0", "0.0"):
+            self.offload_device_states = "off"
+        try:
+            if self.offload_device_states not in ("off", "auto") and float(self.offload_device_states) < 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"offload_device_states={self.offload_device_states!r}: use auto, off, or a number of "
+                             f"GiB of optimizer states to keep on the GPU") from None
         if self.max_nonfinite_steps < 0:
             raise ValueError(f"max_nonfinite_steps={self.max_nonfinite_steps}: use 0 (no check) or a positive count")
         if self.layer_swap_prefetch < 0:

@@ -178,6 +178,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     the H200 it removed the compute stream's waits for the CPU but left the step time within run-to-run noise (3B
     at 4 x 2048: 0.573 vs 0.580 s; the step is then bound by the GPU, where the updates share the SMs with
     backward; at 1 x 2048 backward's own launches, slowed by the shared GIL, bound it): not worth a second thread.
+    `device_state_bytes`: GPU memory for 8-bit states kept on the device instead of streamed. The tensors whose
+    states stay are the model's first (in model order once attached: the embeddings, then the first layers) that fit:
+    backward reaches them last, so their copies could not overlap anything and would only lengthen the step (3B
+    with tied embeddings: ~16 ms of copies after backward's last kernel). They behave like the small tensors: no
+    host copy of their states, gradients never offloaded (clipped and accumulated on the device).
     """
 
     def __init__(
@@ -200,6 +205,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         launch_thread: bool = False,
         fused: bool | dict | None = None,
         seed: int | None = None,
+        device_state_bytes: int = 0,
     ) -> None:
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}")
@@ -215,6 +221,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self.chunk_numel = chunk_numel
         self.grad_backlog_bytes = grad_backlog_bytes
         self.launch_thread = launch_thread
+        self.device_state_bytes = int(device_state_bytes)
 
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not self._params:
@@ -246,7 +253,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         # Host states and GPU slots are allocated at first use, not here: accelerate's prepare() round-trips
         # an optimizer's state dict through the GPU, which must not see gigabytes of host states.
         self._inflight_chunks = inflight_chunks
-        self._offset: dict[Tensor, int] = {}
+        self._offset: dict[Tensor, int] = {}  # streamed tensor -> its place in the flat host buffers
+        self._on_device: dict[Tensor, tuple] = {}  # tensor whose 8-bit states stay on the device -> (codes, scales)
+        self._place: dict[Tensor, int] = {}  # 8-bit tensor -> its place among all 8-bit values (Philox counters)
         self._chunks: dict[Tensor, list] = {}  # param -> its chunks' host views (`_host_chunks`)
         self._allocated = False
         self._plan = _StepPlan()
@@ -291,11 +300,22 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             self._init_states(pin=self.device.type == "cuda")
             self._init_slots(self._inflight_chunks)
 
+    def _state_bytes(self, p: Tensor) -> int:
+        """Bytes of `p`'s two 8-bit moments: a code per value and an fp32 scale per block, each."""
+        return 2 * p.numel() + 2 * 4 * (p.numel() // self.block_size)
+
     def _init_states(self, *, pin: bool) -> None:
         big = [p for p in self._params if self._is_8bit(p) and self._owns(p)]
-        total = sum(p.numel() for p in big)
-        self._total_8bit = total  # the fused update's Philox counter: step * total + place in the flat buffers
+        self._total_8bit = sum(p.numel() for p in big)  # the fused update's Philox counter: step * total + place
         bs = self.block_size
+        room, candidates = self.device_state_bytes, set(big)
+        for p in self._norm_order:  # model order once attached: backward reaches the first tensors last
+            if p in candidates and p.device == self.device and p not in self._on_device and \
+                    self._state_bytes(p) <= room:
+                room -= self._state_bytes(p)
+                self._on_device[p] = ()
+        big = [p for p in big if p not in self._on_device]  # streamed
+        total = sum(p.numel() for p in big)
         # One flat host buffer per kind (exactly sized, pinned once): codes of both moments, their scales,
         # and, when offloading, the gradients.
         self._host_codes = pinned_empty(2 * total, torch.uint8, pin=pin).view(2, total)
@@ -311,15 +331,24 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             2 * max((p.numel() * p.element_size() for p in big), default=0), 2**30)
         qmaps = [torch.tensor(get_qmap_signed()), torch.tensor(get_qmap_unsigned())]
         self._qmaps_dev = [q.to(self.device) for q in qmaps]
-        off = 0
+        off, dev_off = 0, total  # places: streamed tensors first (as in the host buffers), then those on the device
         for p in self._params:
             if not self._owns(p):
                 continue
             st = self.state[p]
             st["step"] = torch.tensor(0.0)
-            if self._is_8bit(p):
+            if p in self._on_device:
                 n = p.numel()
-                self._offset[p] = off
+                self._place[p], dev_off = dev_off, dev_off + n
+                codes = torch.zeros(2, n, dtype=torch.uint8, device=self.device)
+                scales = torch.zeros(2, n // bs, dtype=torch.float32, device=self.device)
+                self._on_device[p] = (codes, scales)
+                for k, (name, signed) in enumerate((("exp_avg", True), ("exp_avg_sq", False))):
+                    st[name] = OptimState8bit(codes[k].view(p.shape), scales[k], self._qmaps_dev[k], signed,
+                                              dtype=p.dtype)
+            elif self._is_8bit(p):
+                n = p.numel()
+                self._offset[p] = self._place[p] = off
                 for k, (name, signed) in enumerate((("exp_avg", True), ("exp_avg_sq", False))):
                     codes = self._host_codes[k, off:off + n].view(p.shape)
                     scale = self._host_scales[k, off // bs:(off + n) // bs]
@@ -493,7 +522,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def _norm_in_update(self, p: Tensor) -> bool:
         """Whether `p`'s gradient norm (for logging: no clipping in backward) is summed by the fused update kernel
         on its pass over the gradient, instead of by a norm kernel on the compute stream."""
-        return self._fused is not None and self.update_in_backward and self._shard is None and p in self._offset
+        return self._fused is not None and self.update_in_backward and self._shard is None and p in self._place
 
     def _measure_norm(self, p: Tensor, stream) -> None:
         """Queue `p.grad`'s norm on the stream that made the gradient (`stream`, or the H2D stream where a host sum
@@ -684,7 +713,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             S.keep_alive(grad, S.update)
             p.grad = None
         self.stats["updates"] += 1
-        if p not in self._offset:
+        if p not in self._place:
             with S.on(S.update):  # small tensors: states stay on the device, nothing to stream
                 self._step_fn(p.detach(), grad, step, st["exp_avg"], st["exp_avg_sq"], None, *hyper, True, sr)
             return
@@ -696,6 +725,16 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             with S.on(S.update):
                 sumsq = self._plan.sumsq[p] = torch.zeros((), dtype=torch.float32, device=self.device)
             S.keep_alive(sumsq, S.compute())  # read there by clip_grad_norm_
+        if p in self._on_device:  # states on the device: one update over the whole tensor, nothing to copy
+            codes, scales = self._on_device[p]
+            with S.on(S.update):
+                if self._fused is not None:
+                    self._fused(flat_p, flat_g, codes, scales, *self._qmaps_dev, step, *hyper, sr, sumsq=sumsq,
+                                counter=int(step) * self._total_8bit + self._place[p])
+                else:
+                    self._chunk_fn(flat_p, flat_g, codes, scales, *self._qmaps_dev, step, *hyper, sr)
+            self._hold(S.record(S.update), n * grad.element_size())
+            return
         for chunk in self._host_chunks(p):
             self._update_chunk(chunk, flat_p, flat_g, grad_ready if on_host else None, step, (*hyper, sr), sumsq)
         if not on_host:
@@ -950,13 +989,14 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     def memory_stats(self) -> dict[str, int]:
         if not self._allocated:
-            return {"host_state_bytes": 0, "pinned_bytes": 0, "gpu_slot_bytes": 0}
+            return {"host_state_bytes": 0, "pinned_bytes": 0, "gpu_slot_bytes": 0, "gpu_state_bytes": 0}
         host = sum(t.numel() * t.element_size() for t in (self._host_codes, self._host_scales) if t is not None)
         host += self._host_grads.numel() * self._host_grads.element_size() if self._host_grads is not None else 0
         slots = sum(t.numel() * t.element_size() for s in self._slots
                     for t in (s.codes, s.scales, s.grad_bytes) if t is not None)
+        on_device = sum(t.numel() * t.element_size() for ts in self._on_device.values() for t in ts)
         return {"host_state_bytes": host, "pinned_bytes": host if self._streams.is_cuda else 0,
-                "gpu_slot_bytes": slots}
+                "gpu_slot_bytes": slots, "gpu_state_bytes": on_device}
 
 
 class _Handle:

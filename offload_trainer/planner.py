@@ -129,6 +129,7 @@ class Plan:
     accum: int = 1  # micro-batches per optimizer step (gradient_accumulation_steps)
     ranks: int = 1  # data parallel processes sharing the optimizer states
     resident_layers: int = 0  # decoder layers kept on the GPU; the others are swapped (layer_swap)
+    device_state_gib: float = 0.0  # 8-bit states kept on the GPU (the first tensors: the input embedding)
     layers: int = 0
     gpu_peak_gib: float = 0.0  # predicted torch.cuda.max_memory_reserved
     gpu_allocated_gib: float = 0.0
@@ -164,7 +165,9 @@ class Plan:
                                   f"AdamW states on the GPU; base weights frozen")]
         else:
             rows += [
-                ("optimizer", "8-bit AdamW states in pinned CPU memory, streamed"),
+                ("optimizer", "8-bit AdamW states in pinned CPU memory, streamed"
+                 + (f"; {self.device_state_gib:.2f} GiB of them (the input embedding's) kept on the GPU"
+                    if self.device_state_gib else "")),
                 ("updates", "after backward, exact clipping" if self.clip else "during backward (no clipping)"),
                 ("gradients", self._gradients_row()),
             ]
@@ -192,10 +195,12 @@ class Plan:
 def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool, offload_gradients: bool,
               activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
               resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
-              block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1, fused_update: bool = True) -> dict:
+              block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1, fused_update: bool = True,
+              device_states: float = 0) -> dict:
     """Memory of one micro-batch of `batch` x `seq` tokens; traffic and time of one optimizer step of `accum`
     micro-batches. Data parallel over `ranks` processes (`node_ranks` of them on this host): each holds 1/ranks of
-    the states; GPU figures are per process, host figures per node."""
+    the states; GPU figures are per process, host figures per node. `device_states`: bytes of 8-bit states kept on
+    the GPU (their tensors' gradients are never offloaded either)."""
     h, inter, L, V = shape.hidden, shape.intermediate, shape.layers, shape.vocab
     T = batch * seq
     swapped = L - (L if resident is None else resident)
@@ -228,6 +233,9 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     layer_grads = 2 * shape.layer_params if not lora else 0
     grads_wait = clip or accum > 1  # gradients outlive their backward: until the norm, or the next micro-batch
     grads_kept = 2 * params if grads_wait and not offload_gradients and not lora else 0
+    device_grads = device_states / (1 + 4 / block)  # 2 bytes per value of the tensors whose states stay
+    if grads_wait and offload_gradients:
+        grads_kept = device_grads  # theirs stay on the GPU until the step
     if ranks > 1 and grads_kept:  # data parallel: once reduced, each owner keeps its share (micro-batches before
         # the last sum on each device, unless offload_gradients reduces each one and sums the means on the host)
         grads_kept = 2 * params if accum > 1 else 2 * params / ranks
@@ -236,12 +244,12 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
         phase = max(checkpoints + loss + head_grad, grads_kept + layer_ws)
     else:  # updates lag backward by about a layer
         phase = checkpoints + max(loss + head_grad, layer_ws + 2 * layer_grads)
-    allocated = weights + swap_gpu + slots + update_temps + adapters + phase
+    allocated = weights + swap_gpu + slots + update_temps + adapters + device_states + phase
     slack = 9 * T * inter * 2  # allocator blocks freed between layers but not reused across sizes
     reserved = allocated + slack
 
-    states = 2 * params * (1 + 4 / block) / ranks if not lora else 0  # this process's share
-    host_grads = 2 * params / ranks if offload_gradients and not lora else 0
+    states = 2 * params * (1 + 4 / block) / ranks - device_states if not lora else 0  # this process's, streamed
+    host_grads = 2 * params / ranks - device_grads if offload_gradients and not lora else 0
     host_acts = L * ckpt_per_layer if activation_offload else 0
     pinned = node_ranks * (states + host_grads + host_acts + swapped * layer_bytes)
     host = node_ranks * 1.5 * GiB + pinned
@@ -304,6 +312,7 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
                 breakdown={"weights": weights / GiB, "swap slots": swap_gpu / GiB,
                            **({"LoRA adapters + AdamW": adapters / GiB} if lora else {}),
                            "optimizer slots": (slots + update_temps) / GiB,
+                           **({"optimizer states on the GPU": device_states / GiB} if device_states else {}),
                            "gradients kept": grads_kept / GiB, "checkpointed activations": checkpoints / GiB,
                            "largest transient": (phase - checkpoints - grads_kept) / GiB if not grads_kept
                            else (phase - grads_kept) / GiB, "allocator slack": slack / GiB})
@@ -314,7 +323,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
          chunk_numel: int = 2**25, inflight: int = 4, activation_offload: bool | None = None,
          offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
          lora_params: int = 0, weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
-         fused_update: bool = True, machine: Machine = Machine()) -> Plan:
+         fused_update: bool = True, device_states: str | float = 0, machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
 
     `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
@@ -325,6 +334,11 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     `lora_params` > 0: LoRA with that many adapter parameters on a frozen base
     of `weight_bits` (16, or 4 for bitsandbytes NF4); the adapters and their optimizer stay on the GPU.
     `fused_update`: the optimizer's Triton update (its default on CUDA); False: torchao's compiled update.
+    `device_states`: GiB of 8-bit states kept on the GPU (`StreamedAdamW8bit(device_state_bytes=)`), or "auto" (with a
+    GPU budget): the input embedding's, when the plan chosen without them leaves room for them (and their gradient,
+    when gradients would wait on the host) within the GPU budget less `DEVICE_STATE_MARGIN_GIB` -- with one process, and only where
+    the plan needs neither activation offload nor layer swap to fit (a tight plan gets no extras). Backward reaches
+    the embedding last, so its states' copies would follow backward's last kernel (3B, tied embedding: ~16 ms).
 
     Raises PlanError, naming the knob to change, when none fits.
     """
@@ -338,10 +352,12 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
         else [False]
     gpu_usable = (gpu_memory_limit_gb - machine.cuda_context_gib) * GiB if gpu_memory_limit_gb else math.inf
     host_usable = host_memory_gb * GiB if host_memory_gb else math.inf
+    auto_states = device_states == "auto"
+    fixed_states = 0.0 if auto_states or lora_params else float(device_states or 0) * GiB
     estimate = functools.partial(_estimate, shape, n, clip=clip, loss_chunk=loss_chunk, chunk_numel=chunk_numel,
                                  inflight=inflight, machine=machine, lora=lora_params, weight_bits=weight_bits,
                                  accum=accum, ranks=ranks, node_ranks=ranks if node_ranks is None else node_ranks,
-                                 fused_update=fused_update)
+                                 fused_update=fused_update, device_states=fixed_states)
     tried = []
     # Every layer resident first (no swap traffic); then as many resident layers as fit.
     if layer_swap is False:
@@ -353,17 +369,21 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     for resident in residents:
         for act in acts:
             for og in grads:
-                e = estimate(batch=batch, seq=seq, offload_gradients=og, activation_offload=act, resident=resident)
-                p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, lora_params=lora_params,
-                         activation_offload=act, accum=accum, ranks=ranks,
-                         gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
-                         resident_layers=resident, layers=L,
-                         gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB,
-                         host_peak_gib=e["host"] / GiB, pinned_gib=e["pinned"] / GiB,
-                         pcie_gb_per_step=e["pcie"] / 1e9, step_s=e["step"], native_step_s=e["native"],
-                         breakdown=e["breakdown"])
+                switches = dict(batch=batch, seq=seq, offload_gradients=og, activation_offload=act, resident=resident)
+                e = estimate(**switches)
+                p = _make_plan(e, params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og,
+                               lora_params=lora_params, activation_offload=act, accum=accum, ranks=ranks,
+                               gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
+                               resident_layers=resident, layers=L, device_state_gib=fixed_states / GiB)
                 p.fits = e["reserved"] <= gpu_usable and e["host"] <= host_usable
                 tried.append(p)
+                if p.fits and auto_states and gpu_memory_limit_gb and not (lora_params or act or resident < L) \
+                        and ranks == 1:
+                    want = 2 * shape.vocab * shape.hidden * (1 + 4 / 256)
+                    e2 = estimate(**switches, device_states=want)
+                    if e2["reserved"] <= gpu_usable - DEVICE_STATE_MARGIN_GIB * GiB:
+                        kept = _make_plan(e2, **{k: getattr(p, k) for k in _PLAN_INPUTS}, device_state_gib=want / GiB)
+                        tried[-1] = p = kept
                 if p.fits:
                     if clip and og:
                         p.notes.append("exact clipping with offloaded gradients moves 4 bytes/param after backward; "
@@ -385,6 +405,18 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
             break  # fewer resident layers only need more host RAM
     raise PlanError(_advice(tried, estimate, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb,
                             machine))
+
+
+DEVICE_STATE_MARGIN_GIB = 0.25  # of the GPU budget left free when "auto" keeps the embedding's states on the GPU
+_PLAN_INPUTS = ("params", "batch", "seq", "clip", "offload_gradients", "lora_params", "activation_offload", "accum",
+                "ranks", "gpu_budget_gib", "host_budget_gib", "resident_layers", "layers")
+
+
+def _make_plan(e: dict, **inputs) -> Plan:
+    """A Plan from an `_estimate` and the inputs it was made for."""
+    return Plan(**inputs, gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB,
+                host_peak_gib=e["host"] / GiB, pinned_gib=e["pinned"] / GiB, pcie_gb_per_step=e["pcie"] / 1e9,
+                step_s=e["step"], native_step_s=e["native"], breakdown=e["breakdown"], fits=True)
 
 
 def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine) -> str:
@@ -460,12 +492,14 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
         node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     else:
         node_ranks = ranks
+    states = device_state_setting(getattr(args, "offload_device_states", 0))  # 'auto' needs a GPU budget
     return plan(config, batch=args.per_device_train_batch_size, seq=seq, gpu_memory_limit_gb=gpu,
                 host_memory_gb=host_gb, max_grad_norm=args.max_grad_norm or 0.0,
                 loss_chunk=getattr(args, "loss_chunk_size", 1024),
                 chunk_numel=getattr(args, "offload_chunk_numel", 2**25),
                 inflight=getattr(args, "offload_inflight_chunks", 4),
                 fused_update=getattr(args, "offload_fused_update", None) is not False,
+                device_states=states if states != "auto" or gpu else 0,
                 activation_offload=getattr(args, "activation_offload", None) if gpu else
                 bool(getattr(args, "activation_offload", False)),
                 offload_gradients=getattr(args, "offload_gradients", None) if gpu else
@@ -473,6 +507,18 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
                 layer_swap=layer_swap_setting(getattr(args, "layer_swap", "off")), lora_params=lora, weight_bits=bits,
                 accum=max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1)), ranks=ranks or 1,
                 node_ranks=node_ranks)
+
+
+def device_state_setting(value) -> str | float:
+    """The `offload_device_states` argument ('auto', or GiB; 'off' / None: 0) as `plan(device_states=...)`."""
+    if value in (None, "off", False, "false", "False", "none"):
+        return 0.0
+    if value == "auto":
+        return "auto"
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"offload_device_states must be 'auto', 'off' or a number of GiB, got {value!r}") from None
 
 
 def layer_swap_setting(value) -> bool | int | None:

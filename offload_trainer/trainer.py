@@ -35,7 +35,7 @@ from .distributed import Sharding
 from .errors import CheckpointError, TrainingInterrupted, TrainingStopped
 from .loss import chunked_causal_lm_loss
 from .optim import StreamedAdamW8bit
-from .planner import Plan, PlanError, plan_from_args
+from .planner import Plan, PlanError, device_state_setting, plan_from_args
 from .swap import LayerSwap
 from .sysinfo import rss_gib, trim_host_memory
 
@@ -404,6 +404,13 @@ class OffloadMixin:
                     self._swap.prefetch)
 
     # -------------------------------------------------------------- optimizer
+    def _device_state_bytes(self) -> int:
+        """`offload_device_states` in bytes: 'auto' takes the planner's choice (none without a plan)."""
+        value = device_state_setting(self._flag("offload_device_states"))
+        if value == "auto":
+            value = self._plan.device_state_gib if self._plan is not None and not self._sharded() else 0.0
+        return int(value * 2**30)
+
     def create_optimizer(self, model=None):
         if not self._flag("offload_optimizer"):
             return super().create_optimizer(model)
@@ -433,6 +440,7 @@ class OffloadMixin:
                 inflight_chunks=self._flag("offload_inflight_chunks"),
                 sharding=Sharding() if self._sharded() else None,
                 fused=self._flag("offload_fused_update"),
+                device_state_bytes=self._device_state_bytes(),
             )
             self._offload_opt.attach(model)
             if self._swap is not None:
@@ -444,8 +452,10 @@ class OffloadMixin:
                 mode += "; gradients wait in host memory" + (" between micro-batches" if accumulate else "")
             logger.info("optimizer: AdamW, 8-bit states in %s memory, updates streamed %s%s",
                         "pinned CPU" if self._offload_opt.device.type == "cuda" else "CPU", mode,
-                        f"; data parallel over {self.args.world_size} ranks, each holding its share of the states"
-                        if self._sharded() else "")
+                        (f"; data parallel over {self.args.world_size} ranks, each holding its share of the states"
+                         if self._sharded() else "")
+                        + (f"; up to {self._offload_opt.device_state_bytes / 2**30:.2f} GiB of them (the model's first "
+                           f"tensors) kept on the GPU" if self._offload_opt.device_state_bytes else ""))
         return self.optimizer
 
     def _clip_grad_norm(self, model):

@@ -207,6 +207,38 @@ def test_state_dict_is_torchao_layout_and_round_trips():
     assert opt.state[next(iter(opt._offset))]["exp_avg"].codes.data_ptr() == ptr
 
 
+@pytest.mark.parametrize("mode", ["step_only_clip", "offload_grads_clip", "update_in_backward",
+                                  "update_in_backward_offload_grads"])
+def test_states_kept_on_the_device_match_torchao(mode):
+    """`device_state_bytes`: the first tensors in model order whose 8-bit states fit stay on the device (no host copy,
+    gradients never offloaded); the results and the state dict are torchao's, bit for bit."""
+    kw, attach, max_norm = MODES[mode]
+    ref, ref_opt, ours, opt = make_pair("cpu", device_state_bytes=40000, **kw)
+    if attach:
+        opt.attach(ours)
+    ref_losses, ref_norms = run(ref, ref_opt, steps=20, accum=2, max_norm=max_norm, seed=5, streamed=False,
+                                device="cpu", order="model" if attach else "groups")
+    losses, norms = run(ours, opt, steps=20, accum=2, max_norm=max_norm, seed=5, streamed=True, device="cpu")
+    # 8-bit tensors of TinyLM (16,640 state bytes each): embed, layers.0.up, layers.0.down, ... in model order. The
+    # first two fit 40,000 bytes (with attach; without it, param-group order: the same two come first)
+    kept = [n for n, p in ours.named_parameters() if p in opt._on_device]
+    assert kept == ["embed.weight", "layers.0.up.weight"]
+    streamed = sum(p.numel() for p in opt._offset)
+    assert opt._host_codes.shape == (2, streamed) and not set(opt._offset) & set(opt._on_device)
+    assert opt.memory_stats()["gpu_state_bytes"] == 2 * 16640
+    if max_norm:
+        assert norms == ref_norms
+    assert losses == ref_losses and rel_l2(ref, ours) == 0.0
+    sd, ref_sd = opt.state_dict(), ref_opt.state_dict()
+    for k in sd["state"]:
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(sd["state"][k][name].dequantize(), ref_sd["state"][k][name].dequantize())
+    codes = opt._on_device[ours.embed.weight][0]
+    opt.load_state_dict(ref_sd)  # in place, into the device states too
+    assert opt.state[ours.embed.weight]["exp_avg"].codes.data_ptr() == codes[0].data_ptr()
+    assert torch.equal(codes[0], ref_sd["state"][0]["exp_avg"].codes.view(-1))
+
+
 def test_load_state_dict_from_other_model_fails_clearly():
     _, _, ours, opt = make_pair("cpu")
     other = TinyLM(d=32)

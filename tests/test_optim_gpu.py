@@ -18,6 +18,9 @@ MODES = {
     "update_in_backward_offload_grads": (dict(update_in_backward=True, offload_gradients=True), 0.0),
     # the same, the copies and updates queued from the launch thread:
     "update_in_backward_launch_thread": (dict(update_in_backward=True, launch_thread=True), 0.0),
+    # the embedding's states (first in model order) kept on the GPU, the others streamed:
+    "update_in_backward_device_states": (dict(update_in_backward=True, device_state_bytes=40000), 0.0),
+    "offload_grads_clip_device_states": (dict(offload_gradients=True, device_state_bytes=40000), 0.5),
 }
 
 
@@ -41,6 +44,7 @@ def test_matches_torchao_on_gpu_50_steps(mode, dtype):
     a = run(ref, ref_opt, steps=50, accum=2, max_norm=max_norm, seed=1, streamed=False, device="cuda")
     b = run(ours, opt, steps=50, accum=2, max_norm=max_norm, seed=1, streamed=True, device="cuda")
     assert opt._host_codes.is_pinned()
+    assert bool(opt._on_device) == ("device_state_bytes" in kw)
     err = rel_l2(ref, ours)
     print(f"{mode} {dtype}: rel L2 {err:.2e}, last losses {a[0][-1]:.4f} / {b[0][-1]:.4f}")
     assert err <= 1e-3

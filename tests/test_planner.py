@@ -32,6 +32,35 @@ def test_8b_streams_exactly_its_states_over_pcie():
     assert not p.activation_offload and not p.offload_gradients
 
 
+def test_auto_device_states_keep_the_embedding_when_the_budget_has_room():
+    """'auto': the input embedding's 8-bit states stay on the GPU when the plan leaves room for them within the
+    budget less a margin: off the host and PCIe, onto the GPU peak."""
+    cfg = architecture_config("llama3-8b")
+    base = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0)
+    p = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0, device_states="auto")
+    emb = 2 * 128256 * 4096 * (1 + 4 / 256)  # two moments: a code per value, an fp32 scale per 256 values
+    assert p.device_state_gib == pytest.approx(emb / GiB)  # 0.99 GiB
+    assert p.gpu_peak_gib == pytest.approx(base.gpu_peak_gib + emb / GiB)
+    assert p.gpu_peak_gib <= 24 - 0.7 - 0.25  # the CUDA context and the margin stay free
+    assert p.pinned_gib == pytest.approx(base.pinned_gib - emb / GiB)
+    assert p.pcie_gb_per_step == pytest.approx(base.pcie_gb_per_step - 2 * emb / 1e9)
+    assert p.breakdown["optimizer states on the GPU"] == pytest.approx(emb / GiB)
+    assert "kept on the GPU" in p.table()
+    # exact clipping: the other gradients wait on the host, the embedding's on the GPU (it comes last in backward,
+    # when the checkpoints are gone: the peak stays at the start of backward)
+    clip = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0, device_states="auto")
+    assert clip.offload_gradients and clip.device_state_gib == pytest.approx(emb / GiB)
+    assert clip.breakdown["gradients kept"] == pytest.approx(2 * 128256 * 4096 / GiB)
+    # a plan that needs activation offload to fit gets no extras (3B at 12 GiB, 1 x 8192 tokens)
+    tight = plan(architecture_config("llama3.2-3b"), batch=1, seq=8192, gpu_memory_limit_gb=12, max_grad_norm=0,
+                 device_states="auto")
+    assert tight.activation_offload and tight.device_state_gib == 0
+    # without a budget, none; a number is taken as given (GiB)
+    assert plan(cfg, batch=4, seq=2048, max_grad_norm=0, device_states="auto").device_state_gib == 0
+    fixed = plan(cfg, batch=4, seq=2048, max_grad_norm=0, device_states=0.5)
+    assert fixed.device_state_gib == 0.5 and fixed.pinned_gib == pytest.approx(base.pinned_gib - 0.5)
+
+
 def test_exact_clipping_on_24gib_chooses_gradient_offload():
     p = plan(architecture_config("llama3-8b"), batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0)
     assert p.clip and p.offload_gradients  # 15 GiB of weights + 15 GiB of gradients cannot both stay
