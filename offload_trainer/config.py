@@ -111,8 +111,8 @@ def check_keys_and_types(cfg: dict[str, Any], source: str) -> None:
             cfg[key] = value = _WORD_BOOLS[value.lower()]  # bf16: yes
         if isinstance(value, bool) and not _type_ok(value, tp) and _type_ok("text", tp):
             cfg[key] = value = "true" if value else "false"  # resume_from_checkpoint: true
-        if tp is str and isinstance(value, int) and not isinstance(value, bool):
-            cfg[key] = value = str(value)  # e.g. layer_swap: 16 (text fields that also take a number)
+        if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+            cfg[key] = value = str(value)  # e.g. layer_swap: 16, offload_device_states: 1.5 (text fields, or numbers)
         if not _type_ok(value, tp):
             raise ConfigError(f"{source}: key {key!r} = {value!r} ({type(value).__name__}) has the wrong type; "
                               f"expected {_type_name(tp)}")

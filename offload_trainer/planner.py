@@ -336,9 +336,10 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     `fused_update`: the optimizer's Triton update (its default on CUDA); False: torchao's compiled update.
     `device_states`: GiB of 8-bit states kept on the GPU (`StreamedAdamW8bit(device_state_bytes=)`), or "auto" (with a
     GPU budget): the input embedding's, when the plan chosen without them leaves room for them (and their gradient,
-    when gradients would wait on the host) within the GPU budget less `DEVICE_STATE_MARGIN_GIB` -- with one process, and only where
-    the plan needs neither activation offload nor layer swap to fit (a tight plan gets no extras). Backward reaches
-    the embedding last, so its states' copies would follow backward's last kernel (3B, tied embedding: ~16 ms).
+    when gradients would wait on the host) within the GPU budget less `DEVICE_STATE_MARGIN_GIB` -- with one process,
+    and only where the plan needs neither activation offload nor layer swap to fit (a tight plan gets no extras).
+    Backward reaches the embedding last, so its states' copies would follow backward's last kernel (3B with its tied
+    embedding at 4 x 2048 on the H200: ~16 ms of a 0.54 s step).
 
     Raises PlanError, naming the knob to change, when none fits.
     """

@@ -46,6 +46,7 @@ BASE = "model_config: tiny-llama\noutput_dir: {out}\n"
     ("model_name_or_path: ./no/such/model\n", "directory './no/such/model' does not exist"),
     ("optim: sgd\n", "offload_optimizer=True streams 8-bit AdamW states, but optim='sgd'"),
     ("offload_chunk_numel: 1000\n", "offload_chunk_numel=1000: use a multiple of 256"),
+    ("offload_device_states: lots\n", "offload_device_states='lots': use auto, off, or a number of GiB"),
     ("max_steps: [1\n", "(while parsing a flow sequence at line 3)"),
 ])
 def test_user_errors_name_the_key_and_fail_before_model_load(tmp_path, capsys, no_model_load, body, needle):

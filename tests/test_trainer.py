@@ -69,24 +69,33 @@ def make_args(out, **kw):
     return OffloadTrainingArguments(**base)
 
 
-@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
-def test_resume_at_20_gives_identical_losses_to_40(tmp_path, max_grad_norm):
+# the embedding's 8-bit states (65,536 values: 133,120 bytes) kept on the device, every other tensor's streamed
+EMBEDDING_ON_DEVICE = dict(offload_device_states="0.00013")  # GiB: 139,586 bytes; the next tensor needs 33,280
+
+
+@pytest.mark.parametrize("max_grad_norm, extra", [(0.5, {}), (0.0, {}), (0.5, EMBEDDING_ON_DEVICE),
+                                                  (0.0, EMBEDDING_ON_DEVICE)],
+                         ids=["clip", "update_in_backward", "clip_embedding_states_on_device",
+                              "update_in_backward_embedding_states_on_device"])
+def test_resume_at_20_gives_identical_losses_to_40(tmp_path, max_grad_norm, extra):
     model, tok, train = tiny_setup(seq=32)
-    full = OffloadTrainer(model=model, args=make_args(tmp_path / "full", max_grad_norm=max_grad_norm),
+    full = OffloadTrainer(model=model, args=make_args(tmp_path / "full", max_grad_norm=max_grad_norm, **extra),
                           train_dataset=train)
     full.train()
     want = losses_of(full)
     assert len(want) == 40
+    kept = [n for n, p in model.named_parameters() if p in full._offload_opt._on_device]
+    assert kept == (["model.embed_tokens.weight"] if extra else [])
 
     model, _, _ = tiny_setup(seq=32)
-    first = OffloadTrainer(model=model, args=make_args(tmp_path / "cut", max_grad_norm=max_grad_norm),
+    first = OffloadTrainer(model=model, args=make_args(tmp_path / "cut", max_grad_norm=max_grad_norm, **extra),
                            train_dataset=train, callbacks=[StopAt(20)])  # same 40-step schedule, stopped at 20
     first.train()
     ckpt = tmp_path / "cut" / "checkpoint-20"
     assert (ckpt / "optimizer.pt").exists()
 
     model, _, _ = tiny_setup(seq=32, seed=123)  # different init: everything must come from the checkpoint
-    second = OffloadTrainer(model=model, args=make_args(tmp_path / "cut", max_grad_norm=max_grad_norm),
+    second = OffloadTrainer(model=model, args=make_args(tmp_path / "cut", max_grad_norm=max_grad_norm, **extra),
                             train_dataset=train)
     second.train(resume_from_checkpoint=str(ckpt))
     assert losses_of(first) == want[:20]
