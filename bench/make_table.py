@@ -56,8 +56,8 @@ def main(paths: list[str]) -> None:
             note = f"kernel grid capped at {argv[argv.index('--programs') + 1]} programs; " + note
         if "--update-priority" in argv:
             note = f"update stream priority {argv[argv.index('--update-priority') + 1]}; " + note
-        if "--act-inflight" in argv:
-            note = f"at most {argv[argv.index('--act-inflight') + 1]} activation copies in flight; " + note
+        if e.get("act_max_inflight"):
+            note = f"at most {e['act_max_inflight']} activation copies in flight; " + note
         if e.get("device_state_gib"):
             note = f"{e['device_state_gib']:g} GiB of states on the GPU (input embedding); " + note
         if "window_step_s" in e:

@@ -128,7 +128,8 @@ def main() -> None:
     ap.add_argument("--grads-on-gpu", action="store_true", help="offload_trainer: keep gradients on the GPU")
     ap.add_argument("--act-offload", action="store_true", help="offload_trainer: offload checkpointed activations")
     ap.add_argument("--act-inflight", type=int, default=None,
-                    help="act. offload: pending copies to the host before forward's CPU waits (default: no bound)")
+                    help="act. offload: pending copies to the host before forward's CPU waits (default: the library's,"
+                         " 3; 0: no bound)")
     ap.add_argument("--resident", default=None, help="offload_trainer: decoder layers kept on the GPU (N or auto)")
     ap.add_argument("--prefetch", type=int, default=1, help="layer swap: layers fetched ahead")
     ap.add_argument("--soak", action="store_true", help="record host RSS, pinned and GPU reserved after every step")
@@ -189,9 +190,10 @@ def main() -> None:
         if a.act_offload:
             from offload_trainer.activations import enable_activation_offload
 
-            offloader = enable_activation_offload(model, max_inflight=a.act_inflight)
+            bound = {} if a.act_inflight is None else {"max_inflight": a.act_inflight or None}  # 0: no bound
+            offloader = enable_activation_offload(model, **bound)
             row["extra"]["activation_offload"] = True
-            row["extra"]["act_max_inflight"] = a.act_inflight
+            row["extra"]["act_max_inflight"] = offloader.max_inflight
         row["params"] = sum(p.numel() for p in model.parameters())
         noclip = a.system.endswith("noclip")
         if a.resident is not None:

@@ -39,10 +39,12 @@ class ActivationOffloader:
     (None: no bound). An offloaded input's GPU block is reusable only once its copy has run; the CPU queues a
     checkpointed forward far ahead of the GPU, so without a bound each layer may get a fresh block. On the H200
     the reserved GPU memory with activation offload exceeded the allocated peak by 0.45-1.2x the offloaded inputs
-    (bench/results/README.md, "Fused update kernel"); whether this bound removes that is not measured yet.
+    (bench/results/README.md, "Fused update kernel"). With the bound at 3 (run 20261130-s16a/c, same runs): 3B at
+    4 x 2048 reserved 10.97 GiB instead of 11.32, 8B at 1 x 8192 20.93 instead of 20.99; step times equal within
+    0.2%. Hence the default 3.
     """
 
-    def __init__(self, device: torch.device | str, *, prefetch: int = 1, max_inflight: int | None = None):
+    def __init__(self, device: torch.device | str, *, prefetch: int = 1, max_inflight: int | None = 3):
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(f"max_inflight={max_inflight}: use None (no bound) or at least 1")
         self.device = torch.device(device)
@@ -163,7 +165,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
 
 
 def enable_activation_offload(model: torch.nn.Module, *, prefetch: int = 1,
-                              max_inflight: int | None = None) -> ActivationOffloader:
+                              max_inflight: int | None = 3) -> ActivationOffloader:
     """Turn on gradient checkpointing of a transformers model with offloaded layer inputs."""
     if not hasattr(model, "_set_gradient_checkpointing"):
         raise TypeError("enable_activation_offload needs a transformers PreTrainedModel; from a bare loop, "
