@@ -14,7 +14,7 @@ without asserts was the default) named the variants differently: in s14f "ours" 
   ours_autotuned        inductor option coordinate_descent_tuning
   ours_no_guard         without the non-finite guard (plain copies into codes, scales and weights)
   ours_no_sr            bf16_stochastic_round=False
-  fused                 offload_trainer.update_kernel.Update8bit: one Triton kernel, one-lookup quantizer (the default
+  fused                 offload_trainer.update_kernel.Update8bit: one Triton kernel, two-lookup quantizer (the default
                         since the fused update landed); fused_rows{2,8}, fused_warps8: its block shape
   fused_no_sr           the same, bf16_stochastic_round=False
   fused_fast_math       the same, eager_numerics=False (Triton's approximate division, contraction)

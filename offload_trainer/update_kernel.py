@@ -5,16 +5,14 @@ two codes are found by a binary search over the 256-entry map (8 dependent looku
 in-place writes add copy kernels. On the H200 it ran 0.55-0.60 ms per 25M values, 3.2-4x torch's fused bf16
 AdamW, and its compiled call cost 0.6-0.8 ms of CPU (bench/update_kernel.py, runs 20261130-s14e/f).
 
-This kernel reads each value once and writes it once, and quantizes with one lookup instead of ten, into the
+This kernel reads each value once and writes it once, and quantizes with two lookups instead of ten, into the
 same codes: the map from a scaled value to its code is monotone (torchao finds the largest map value <= x, then
 rounds up past half the gap), so it is fixed by 255 thresholds -- the smallest float32 that reaches each code,
 found here by bisection over torchao's own `quantize_8bit_with_qmap`. Floats are bucketed by their top 16 bits
 (sign, exponent, 7 mantissa bits); no bucket holds more than one threshold (checked when the table is built), so a
-bucket's lowest code and its next threshold give the code: `code = low[b] + (x >= next_threshold[b])`. A threshold
-inside a bucket shares its top 16 bits, so the comparison needs only the low 16: code and comparand fit one int32
-(`QuantTable.packed`; two lookups before, 0.215 ms per 25M values on the H200 in run s15d). `quantize_with_table`
-is the same lookup in torch ops, tested equal to torchao's quantizer on CPU (near every threshold and bucket edge;
-on every float32 in [-1, 1]: bench/quantizer_exhaustive.py).
+bucket's lowest code and its next threshold give the code: `code = low[b] + (x >= next_threshold[b])`.
+`quantize_with_table` is the same lookup in torch ops, tested equal to torchao's quantizer on CPU (near every
+threshold and bucket edge; once on every float32 in [-1, 1]: bench/quantizer_exhaustive.py, no mismatch).
 
 The rest follows torchao's `single_param_adam` (AdamW branch) op for op, in float32, with its non-finite guard
 (`optim.adamw8bit_chunk`): a 256-value block whose new moments are not all finite keeps its weights, codes and
@@ -78,10 +76,6 @@ class QuantTable:
     """Per (sign, bucket): the lowest code reached in the bucket and the threshold of the next code.
 
     Index: sign * N_BUCKETS + bucket, bucket = clamp(top 16 bits of |x|, _FIRST_KEY, _LAST_KEY) - _FIRST_KEY.
-    `packed` holds both in one int32 per bucket, so the kernel quantizes with one lookup: a threshold inside its
-    bucket shares the bucket's top 16 bits, so the low 16 bits of |x| decide. Bits 17-24: the low code; bits 0-16:
-    `c`. Positive x reaches the next code when low16(|x|) >= c (c = 0x10000: never); negative x when
-    low16(|x|) < c (the threshold's magnitude + 1, as -|x| >= t <=> |x| <= |t|; c = 0: never).
     """
 
     def __init__(self, qmap: Tensor) -> None:
@@ -97,19 +91,10 @@ class QuantTable:
             raise AssertionError("a bucket holds two thresholds: the buckets are too coarse for this map")
         self.low_code = first.to(torch.uint8)
         self.next_threshold = torch.where(first < 255, thr[(first + 1).clamp(max=255)], torch.tensor(math.inf))
-        neg = torch.arange(2 * N_BUCKETS) >= N_BUCKETS
-        key = torch.arange(2 * N_BUCKETS) % N_BUCKETS + _FIRST_KEY
-        t_bits = self.next_threshold.view(torch.int32).to(torch.int64)
-        inside = torch.isfinite(self.next_threshold) & ((t_bits < 0) == neg) & (((t_bits & 0x7FFFFFFF) >> 16) == key)
-        if bool(inside[[0, N_BUCKETS]].any()):  # bucket 0 also holds the smaller magnitudes: no threshold there
-            raise AssertionError("a threshold lies in the lowest bucket: its low 16 bits cannot decide")
-        c = torch.where(inside, (t_bits & 0xFFFF) + neg.long(), torch.where(neg, 0, 0x10000))
-        self.packed = ((first << 17) | c).to(torch.int32)
 
     def to(self, device) -> QuantTable:
         out = object.__new__(QuantTable)
         out.low_code, out.next_threshold = self.low_code.to(device), self.next_threshold.to(device)
-        out.packed = self.packed.to(device)
         return out
 
 
@@ -127,13 +112,9 @@ def _bucket(x: Tensor) -> Tensor:
 
 
 def quantize_with_table(x: Tensor, table: QuantTable) -> Tensor:
-    """The kernel's quantizer in torch ops (float32 in [-1, 1] -> uint8 codes): torchao's codes, one lookup of
-    `table.packed` per value."""
-    x = x.float().contiguous()
-    bits = x.view(torch.int32).to(torch.int64)
-    entry = table.packed[_bucket(x)].long()
-    ge = (bits & 0xFFFF) >= (entry & 0x1FFFF)
-    return ((entry >> 17) + (ge != (bits < 0)).long()).to(torch.uint8)
+    """The kernel's quantizer in torch ops (float32 in [-1, 1] -> uint8 codes): torchao's codes, two lookups."""
+    b = _bucket(x.float().contiguous())
+    return (table.low_code[b].long() + (x >= table.next_threshold[b]).long()).to(torch.uint8)
 
 
 def available(device: torch.device) -> bool:
@@ -150,14 +131,12 @@ def runnable(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _quantize(x, table_ptr, FIRST_KEY: tl.constexpr, LAST_KEY: tl.constexpr, NB: tl.constexpr):
+    def _quantize(x, low_ptr, thr_ptr, FIRST_KEY: tl.constexpr, LAST_KEY: tl.constexpr, NB: tl.constexpr):
         bits = x.to(tl.int32, bitcast=True)
-        neg = bits < 0
         key = (bits & 0x7FFFFFFF) >> 16
-        b = tl.minimum(tl.maximum(key, FIRST_KEY), LAST_KEY) - FIRST_KEY + tl.where(neg, NB, 0)
-        entry = tl.load(table_ptr + b)  # QuantTable.packed: low code << 17 | c
-        ge = (bits & 0xFFFF) >= (entry & 0x1FFFF)
-        return (entry >> 17) + (ge != neg).to(tl.int32)
+        b = tl.minimum(tl.maximum(key, FIRST_KEY), LAST_KEY) - FIRST_KEY + tl.where(bits < 0, NB, 0)
+        low = tl.load(low_ptr + b).to(tl.int32)
+        return low + (x >= tl.load(thr_ptr + b)).to(tl.int32)
 
     @triton.jit
     def _round_bf16(x):
@@ -192,7 +171,7 @@ if triton is not None:
 
     @triton.jit
     def _adamw8bit_kernel(
-        p_ptr, g_ptr, codes_ptr, scales_ptr, qmap_ptr, table_s, table_u, coef_ptr, sumsq_ptr,
+        p_ptr, g_ptr, codes_ptr, scales_ptr, qmap_ptr, low_s, thr_s, low_u, thr_u, coef_ptr, sumsq_ptr,
         n_blocks, code_stride, scale_stride,
         lr, weight_decay, w1, w2, eps, bias_correction1, bias_correction2_sqrt, inv_bc1, inv_bc2_sqrt, seed, counter,
         BLOCK: tl.constexpr, ROWS: tl.constexpr, FIRST_KEY: tl.constexpr, LAST_KEY: tl.constexpr,
@@ -229,8 +208,8 @@ if triton is not None:
         ok = tl.min(finite.to(tl.int32), axis=1) > 0  # per block, as the guard of optim.adamw8bit_chunk
         new_scale_m = tl.maximum(tl.max(tl.abs(m), axis=1), 1e-12)
         new_scale_v = tl.maximum(tl.max(tl.abs(v), axis=1), 1e-12)
-        new_m = _quantize(_div(m, new_scale_m[:, None], EAGER), table_s, FIRST_KEY, LAST_KEY, NB)
-        new_v = _quantize(_div(v, new_scale_v[:, None], EAGER), table_u, FIRST_KEY, LAST_KEY, NB)
+        new_m = _quantize(_div(m, new_scale_m[:, None], EAGER), low_s, thr_s, FIRST_KEY, LAST_KEY, NB)
+        new_v = _quantize(_div(v, new_scale_v[:, None], EAGER), low_u, thr_u, FIRST_KEY, LAST_KEY, NB)
         if EAGER:  # eager CUDA divides by a host scalar as a product with its reciprocal
             denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps
             p = p - tl.div_rn(lr * (m * inv_bc1), denom)
@@ -302,7 +281,7 @@ class Update8bit:
         blocks = n // bs
         s, u = self.tables
         _adamw8bit_kernel[(triton.cdiv(blocks, self.rows),)](
-            p, grad, codes, scales, self.qmaps, s.packed, u.packed,
+            p, grad, codes, scales, self.qmaps, s.low_code, s.next_threshold, u.low_code, u.next_threshold,
             grad_scale if grad_scale is not None else scales, sumsq if sumsq is not None else scales,
             blocks, codes.stride(0), scales.stride(0),
             float(lr), float(weight_decay), 1 - beta1, 1 - beta2, float(eps),
