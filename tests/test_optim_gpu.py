@@ -124,11 +124,13 @@ def test_thin_wide_without_syncs_diverges(monkeypatch, mode):
     assert not errs[-1] <= 1e-3
 
 
-def test_resume_mid_run_on_gpu():
+@pytest.mark.parametrize("device_state_bytes", [0, 40000], ids=["streamed", "embedding_states_on_gpu"])
+def test_resume_mid_run_on_gpu(tmp_path, device_state_bytes):
     def train(steps, opt_state=None, model_state=None, sched_state=None, start=0):
         torch.manual_seed(0)
         m = TinyLM().to("cuda", torch.bfloat16)
-        opt = StreamedAdamW8bit(param_groups(m), lr=LR, betas=BETAS, offload_gradients=True, chunk_numel=4096)
+        opt = StreamedAdamW8bit(param_groups(m), lr=LR, betas=BETAS, offload_gradients=True, chunk_numel=4096,
+                                device_state_bytes=device_state_bytes)
         opt.attach(m)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 50)
         if model_state:
@@ -151,7 +153,10 @@ def test_resume_mid_run_on_gpu():
 
     full, *_ = train(40)
     first, m, opt, sched = train(20)
-    saved = ({k: v.clone() for k, v in m.state_dict().items()}, opt.state_dict(), sched.state_dict())
+    assert bool(opt._on_device) == bool(device_state_bytes)
+    torch.save(opt.state_dict(), tmp_path / "optimizer.pt")  # as the Trainer saves and loads it
+    opt_state = torch.load(tmp_path / "optimizer.pt", map_location="cpu", weights_only=True, mmap=True)
+    saved = ({k: v.clone() for k, v in m.state_dict().items()}, opt_state, sched.state_dict())
     second, *_ = train(40, saved[1], saved[0], saved[2], start=20)
     got = first + second
     assert max(abs(a - b) for a, b in zip(got, full)) <= 1e-4
