@@ -731,8 +731,12 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 if self._fused is not None:
                     self._fused(flat_p, flat_g, codes, scales, *self._qmaps_dev, step, *hyper, sr, sumsq=sumsq,
                                 counter=int(step) * self._total_8bit + self._place[p])
-                else:
-                    self._chunk_fn(flat_p, flat_g, codes, scales, *self._qmaps_dev, step, *hyper, sr)
+                else:  # torchao's update materialises fp32 moments: chunk by chunk, as the streamed tensors
+                    bs, size = self.block_size, self.chunk_numel
+                    for a in range(0, n, size):
+                        b = min(a + size, n)
+                        self._chunk_fn(flat_p[a:b], flat_g[a:b], codes[:, a:b], scales[:, a // bs:b // bs],
+                                       *self._qmaps_dev, step, *hyper, sr)
             self._hold(S.record(S.update), n * grad.element_size())
             return
         for chunk in self._host_chunks(p):
