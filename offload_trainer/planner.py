@@ -233,17 +233,21 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     layer_grads = 2 * shape.layer_params if not lora else 0
     grads_wait = clip or accum > 1  # gradients outlive their backward: until the norm, or the next micro-batch
     grads_kept = 2 * params if grads_wait and not offload_gradients and not lora else 0
-    device_grads = device_states / (1 + 4 / block)  # 2 bytes per value of the tensors whose states stay
-    if grads_wait and offload_gradients:
-        grads_kept = device_grads  # theirs stay on the GPU until the step
     if ranks > 1 and grads_kept:  # data parallel: once reduced, each owner keeps its share (micro-batches before
         # the last sum on each device, unless offload_gradients reduces each one and sums the means on the host)
         grads_kept = 2 * params if accum > 1 else 2 * params / ranks
+    device_grads = device_states / (1 + 4 / block)  # 2 bytes per value of the tensors whose states stay
     if grads_kept:
         # gradients pile up while checkpoints are freed: the peak is at the start or at the end of backward
-        phase = max(checkpoints + loss + head_grad, grads_kept + layer_ws)
+        start = checkpoints + loss + head_grad
+        phase = max(start, grads_kept + layer_ws)
     else:  # updates lag backward by about a layer
-        phase = checkpoints + max(loss + head_grad, layer_ws + 2 * layer_grads)
+        start = phase = checkpoints + max(loss + head_grad, layer_ws + 2 * layer_grads)
+        if grads_wait and offload_gradients and device_grads:
+            # the gradients of tensors whose states stay on the GPU stay there too, until the step: the embedding's,
+            # made at the end of backward, when the checkpoints are gone
+            grads_kept = device_grads
+            phase = max(phase, grads_kept + layer_ws + 2 * layer_grads)
     allocated = weights + swap_gpu + slots + update_temps + adapters + device_states + phase
     slack = 9 * T * inter * 2  # allocator blocks freed between layers but not reused across sizes
     reserved = allocated + slack
@@ -313,9 +317,19 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
                            **({"LoRA adapters + AdamW": adapters / GiB} if lora else {}),
                            "optimizer slots": (slots + update_temps) / GiB,
                            **({"optimizer states on the GPU": device_states / GiB} if device_states else {}),
-                           "gradients kept": grads_kept / GiB, "checkpointed activations": checkpoints / GiB,
-                           "largest transient": (phase - checkpoints - grads_kept) / GiB if not grads_kept
-                           else (phase - grads_kept) / GiB, "allocator slack": slack / GiB})
+                           **_peak_parts(phase, start, checkpoints, grads_kept),
+                           "allocator slack": slack / GiB})
+
+
+def _peak_parts(phase: float, start: float, checkpoints: float, grads_kept: float) -> dict:
+    """What is live at the phase's peak (GiB): the peak of backward's start and middle (`start`: checkpoints, the loss
+    and head gradient or a layer's work; kept gradients not made yet), or, when higher, its end (the kept gradients
+    and a layer's work, the checkpoints freed)."""
+    if grads_kept and phase > start:  # the end of backward
+        return {"gradients kept": grads_kept / GiB, "checkpointed activations": 0.0,
+                "largest transient": (phase - grads_kept) / GiB}
+    return {"gradients kept": 0.0, "checkpointed activations": checkpoints / GiB,
+            "largest transient": (phase - checkpoints) / GiB}
 
 
 def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = None,
