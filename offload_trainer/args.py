@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
 
+from .planner import device_state_setting
+
 # The optimizer names a user may keep while `offload_optimizer` is on: all of them mean AdamW, and the
 # streamed optimizer keeps AdamW's states in torchao's 8-bit format (see optim.py).
 ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_8bit")
@@ -249,15 +251,8 @@ class OffloadTrainingArguments(TrainingArguments):
         if self.layer_swap != "off" and not checkpointing_on(self):
             raise ValueError("layer_swap fetches each swapped layer again for its recompute in backward: set "
                              "gradient_checkpointing: true as well")
-        self.offload_device_states = str(self.offload_device_states).strip().lower()
-        if self.offload_device_states in ("false", "no", "none", "0", "0.0"):
-            self.offload_device_states = "off"
-        try:
-            if self.offload_device_states not in ("off", "auto") and float(self.offload_device_states) < 0:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"offload_device_states={self.offload_device_states!r}: use auto, off, or a number of "
-                             f"GiB of optimizer states to keep on the GPU") from None
+        gib = device_state_setting(self.offload_device_states)  # raises on a bad value
+        self.offload_device_states = gib if gib == "auto" else "off" if not gib else str(gib)
         if self.max_nonfinite_steps < 0:
             raise ValueError(f"max_nonfinite_steps={self.max_nonfinite_steps}: use 0 (no check) or a positive count")
         if self.layer_swap_prefetch < 0:

@@ -337,23 +337,19 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 continue
             st = self.state[p]
             st["step"] = torch.tensor(0.0)
-            if p in self._on_device:
+            if p in self._on_device or self._is_8bit(p):
                 n = p.numel()
-                self._place[p], dev_off = dev_off, dev_off + n
-                codes = torch.zeros(2, n, dtype=torch.uint8, device=self.device)
-                scales = torch.zeros(2, n // bs, dtype=torch.float32, device=self.device)
-                self._on_device[p] = (codes, scales)
+                if p in self._on_device:
+                    self._place[p], dev_off = dev_off, dev_off + n
+                    codes = torch.zeros(2, n, dtype=torch.uint8, device=self.device)
+                    scales = torch.zeros(2, n // bs, dtype=torch.float32, device=self.device)
+                    self._on_device[p], maps = (codes, scales), self._qmaps_dev
+                else:
+                    self._offset[p] = self._place[p] = off
+                    codes, scales = self._host_codes[:, off:off + n], self._host_scales[:, off // bs:(off + n) // bs]
+                    maps, off = qmaps, off + n
                 for k, (name, signed) in enumerate((("exp_avg", True), ("exp_avg_sq", False))):
-                    st[name] = OptimState8bit(codes[k].view(p.shape), scales[k], self._qmaps_dev[k], signed,
-                                              dtype=p.dtype)
-            elif self._is_8bit(p):
-                n = p.numel()
-                self._offset[p] = self._place[p] = off
-                for k, (name, signed) in enumerate((("exp_avg", True), ("exp_avg_sq", False))):
-                    codes = self._host_codes[k, off:off + n].view(p.shape)
-                    scale = self._host_scales[k, off // bs:(off + n) // bs]
-                    st[name] = OptimState8bit(codes, scale, qmaps[k], signed, dtype=p.dtype)
-                off += n
+                    st[name] = OptimState8bit(codes[k].view(p.shape), scales[k], maps[k], signed, dtype=p.dtype)
             else:  # small tensors (norms, biases): plain states on the device, as torchao keeps them
                 st["exp_avg"] = torch.zeros(p.shape, dtype=p.dtype, device=self.device)
                 st["exp_avg_sq"] = torch.zeros(p.shape, dtype=p.dtype, device=self.device)
@@ -726,23 +722,26 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 sumsq = self._plan.sumsq[p] = torch.zeros((), dtype=torch.float32, device=self.device)
             S.keep_alive(sumsq, S.compute())  # read there by clip_grad_norm_
         if p in self._on_device:  # states on the device: one update over the whole tensor, nothing to copy
-            codes, scales = self._on_device[p]
-            with S.on(S.update):
-                if self._fused is not None:
-                    self._fused(flat_p, flat_g, codes, scales, *self._qmaps_dev, step, *hyper, sr, sumsq=sumsq,
-                                counter=int(step) * self._total_8bit + self._place[p])
-                else:  # torchao's update materialises fp32 moments: chunk by chunk, as the streamed tensors
-                    bs, size = self.block_size, self.chunk_numel
-                    for a in range(0, n, size):
-                        b = min(a + size, n)
-                        self._chunk_fn(flat_p[a:b], flat_g[a:b], codes[:, a:b], scales[:, a // bs:b // bs],
-                                       *self._qmaps_dev, step, *hyper, sr)
-            self._hold(S.record(S.update), n * grad.element_size())
-            return
-        for chunk in self._host_chunks(p):
-            self._update_chunk(chunk, flat_p, flat_g, grad_ready if on_host else None, step, (*hyper, sr), sumsq)
+            self._update_on_device(p, flat_p, flat_g, step, (*hyper, sr), sumsq)
+        else:
+            for chunk in self._host_chunks(p):
+                self._update_chunk(chunk, flat_p, flat_g, grad_ready if on_host else None, step, (*hyper, sr), sumsq)
         if not on_host:
             self._hold(S.record(S.update), n * grad.element_size())  # the gradient is freed once the update read it
+
+    def _update_on_device(self, p: Tensor, flat_p: Tensor, flat_g: Tensor, step, args, sumsq) -> None:
+        """The update of a tensor whose states stay on the device (`device_state_bytes`), on the update stream."""
+        S, (codes, scales), n = self._streams, self._on_device[p], p.numel()
+        with S.on(S.update):
+            if self._fused is not None:
+                self._fused(flat_p, flat_g, codes, scales, *self._qmaps_dev, step, *args, sumsq=sumsq,
+                            counter=int(step) * self._total_8bit + self._place[p])
+                return
+            bs, size = self.block_size, self.chunk_numel  # torchao's update makes fp32 moments: chunk by chunk
+            for a in range(0, n, size):
+                b = min(a + size, n)
+                self._chunk_fn(flat_p[a:b], flat_g[a:b], codes[:, a:b], scales[:, a // bs:b // bs], *self._qmaps_dev,
+                               step, *args)
 
     def _host_chunks(self, p: Tensor) -> list:
         """`p`'s chunks: (start, end, host code rows, host scale rows, host gradient, start in the flat host

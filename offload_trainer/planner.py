@@ -386,10 +386,10 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
             for og in grads:
                 switches = dict(batch=batch, seq=seq, offload_gradients=og, activation_offload=act, resident=resident)
                 e = estimate(**switches)
-                p = _make_plan(e, params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og,
-                               lora_params=lora_params, activation_offload=act, accum=accum, ranks=ranks,
-                               gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
-                               resident_layers=resident, layers=L, device_state_gib=fixed_states / GiB)
+                p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, lora_params=lora_params,
+                         activation_offload=act, accum=accum, ranks=ranks,
+                         gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
+                         resident_layers=resident, layers=L, device_state_gib=fixed_states / GiB, **_predicted(e))
                 p.fits = e["reserved"] <= gpu_usable and e["host"] <= host_usable
                 tried.append(p)
                 if p.fits and auto_states and gpu_memory_limit_gb and not (lora_params or act or resident < L) \
@@ -397,8 +397,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                     want = 2 * shape.vocab * shape.hidden * (1 + 4 / 256)
                     e2 = estimate(**switches, device_states=want)
                     if e2["reserved"] <= gpu_usable - DEVICE_STATE_MARGIN_GIB * GiB:
-                        kept = _make_plan(e2, **{k: getattr(p, k) for k in _PLAN_INPUTS}, device_state_gib=want / GiB)
-                        tried[-1] = p = kept
+                        tried[-1] = p = dataclasses.replace(p, device_state_gib=want / GiB, **_predicted(e2))
                 if p.fits:
                     if clip and og:
                         p.notes.append("exact clipping with offloaded gradients moves 4 bytes/param after backward; "
@@ -423,15 +422,13 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
 
 
 DEVICE_STATE_MARGIN_GIB = 0.25  # of the GPU budget left free when "auto" keeps the embedding's states on the GPU
-_PLAN_INPUTS = ("params", "batch", "seq", "clip", "offload_gradients", "lora_params", "activation_offload", "accum",
-                "ranks", "gpu_budget_gib", "host_budget_gib", "resident_layers", "layers")
 
 
-def _make_plan(e: dict, **inputs) -> Plan:
-    """A Plan from an `_estimate` and the inputs it was made for."""
-    return Plan(**inputs, gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB,
-                host_peak_gib=e["host"] / GiB, pinned_gib=e["pinned"] / GiB, pcie_gb_per_step=e["pcie"] / 1e9,
-                step_s=e["step"], native_step_s=e["native"], breakdown=e["breakdown"], fits=True)
+def _predicted(e: dict) -> dict:
+    """The Plan fields an `_estimate` gives."""
+    return dict(gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB, host_peak_gib=e["host"] / GiB,
+                pinned_gib=e["pinned"] / GiB, pcie_gb_per_step=e["pcie"] / 1e9, step_s=e["step"],
+                native_step_s=e["native"], breakdown=e["breakdown"])
 
 
 def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine) -> str:
@@ -507,14 +504,13 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
         node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     else:
         node_ranks = ranks
-    states = device_state_setting(getattr(args, "offload_device_states", 0))  # 'auto' needs a GPU budget
     return plan(config, batch=args.per_device_train_batch_size, seq=seq, gpu_memory_limit_gb=gpu,
                 host_memory_gb=host_gb, max_grad_norm=args.max_grad_norm or 0.0,
                 loss_chunk=getattr(args, "loss_chunk_size", 1024),
                 chunk_numel=getattr(args, "offload_chunk_numel", 2**25),
                 inflight=getattr(args, "offload_inflight_chunks", 4),
                 fused_update=getattr(args, "offload_fused_update", None) is not False,
-                device_states=states if states != "auto" or gpu else 0,
+                device_states=device_state_setting(getattr(args, "offload_device_states", 0)),
                 activation_offload=getattr(args, "activation_offload", None) if gpu else
                 bool(getattr(args, "activation_offload", False)),
                 offload_gradients=getattr(args, "offload_gradients", None) if gpu else
@@ -525,15 +521,21 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
 
 
 def device_state_setting(value) -> str | float:
-    """The `offload_device_states` argument ('auto', or GiB; 'off' / None: 0) as `plan(device_states=...)`."""
-    if value in (None, "off", False, "false", "False", "none"):
+    """The `offload_device_states` argument ('auto', or GiB; 'off' / None: 0) as `plan(device_states=...)`; raises
+    ValueError on anything else (OffloadTrainingArguments checks its value with this)."""
+    text = str(value).strip().lower()
+    if value is None or value is False or text in ("off", "false", "no", "none"):
         return 0.0
-    if value == "auto":
+    if text == "auto":
         return "auto"
     try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"offload_device_states must be 'auto', 'off' or a number of GiB, got {value!r}") from None
+        gib = float(text)
+    except ValueError:
+        gib = -1.0
+    if gib < 0:
+        raise ValueError(f"offload_device_states={text!r}: use auto, off, or a number of GiB of optimizer states to "
+                         f"keep on the GPU")
+    return gib
 
 
 def layer_swap_setting(value) -> bool | int | None:
