@@ -38,18 +38,23 @@ import torch
 from offload_trainer.sysinfo import peak_rss_gib
 
 
-def gpu_idle_ms(step_fn, trace: str | None = None) -> dict:
+def gpu_idle_ms(step_fn, trace: str | None = None, steps: int = 1) -> dict:
     """Profile one step: time the compute stream sat idle (wall time minus the union of its kernels).
-    `trace`: also write the step's events, compactly, to this gzipped JSON file (read by bench/trace_gaps.py)."""
+    `trace`: also write the step's events, compactly, to this gzipped JSON file (read by bench/trace_gaps.py).
+    `steps` > 1: profile that many steps back to back, as `window` runs them (the loss read after each, one device
+    sync at the end), so what one step overlaps with the next shows; figures are per step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        step_fn()
+        for _ in range(steps):
+            loss = step_fn()
+            if steps > 1:
+                loss.item()
         torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = (time.perf_counter() - t0) / steps
     events = list(prof.profiler.kineto_results.events())
     by_stream: dict[int, list[tuple[int, int]]] = {}
     kernels: dict[int, int] = {}
@@ -70,13 +75,14 @@ def gpu_idle_ms(step_fn, trace: str | None = None) -> dict:
                 cur_e = max(cur_e, e)
         return total + ((cur_e - cur_s) if cur_e is not None else 0)
 
-    busy = {sid: union(iv) / 1e6 for sid, iv in by_stream.items()}
+    busy = {sid: union(iv) / 1e6 / steps for sid, iv in by_stream.items()}
     # the compute stream launches the most kernels (the busiest stream can be a copy stream on small batches)
     main = max(kernels, key=kernels.get) if kernels else None
     if trace:
         write_trace(events, trace)
     top = sorted(prof.key_averages(), key=lambda k: k.self_cpu_time_total, reverse=True)[:10]
     return {"top_self_cpu_ms": {k.key[:60]: [k.count, round(k.self_cpu_time_total / 1e3, 1)] for k in top},
+            **({"profiled_steps": steps} if steps > 1 else {}),
             "profiled_step_ms": round(wall * 1e3, 1),
             "compute_stream": main,
             "compute_stream_busy_ms": round(busy.get(main, 0.0), 1),
@@ -152,6 +158,8 @@ def main() -> None:
                     help="offload_trainer: torchao's compiled update instead of the fused kernel (fused=False)")
     ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
     ap.add_argument("--trace", default=None, help="write the profiled step's events here (gzipped JSON; any system)")
+    ap.add_argument("--profile-steps", type=int, default=1,
+                    help="profile this many steps back to back (with clipping, the updates overlap the next forward)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -341,7 +349,7 @@ def main() -> None:
             before, update_stall_before = dict(opt.stats), opt.stall.total_ms()
             try:
                 if world == 1:  # (with several ranks, time one more plain step for the byte counts)
-                    row["extra"].update(gpu_idle_ms(step, a.trace))
+                    row["extra"].update(gpu_idle_ms(step, a.trace, a.profile_steps))
                 else:
                     comm_before = dict(shard.stats)
                     row["extra"]["profiled_step_ms"] = round(timed(step)[0] * 1e3, 1)
@@ -352,18 +360,20 @@ def main() -> None:
             if a.cprofile:
                 row["extra"]["cprofile_top_ms"] = python_profile(step)
             prof_s = row["extra"].get("profiled_step_ms", med * 1e3) / 1e3
-            moved = {k: opt.stats[k] - before[k] for k in ("h2d_bytes", "d2h_bytes")}
+            nprof = a.profile_steps if world == 1 else 1  # steps since `before` (the cProfile step aside)
+            nprof += 1 if a.cprofile else 0
+            moved = {k: (opt.stats[k] - before[k]) / nprof for k in ("h2d_bytes", "d2h_bytes")}
             row["extra"].update(h2d_gb_per_step=round(moved["h2d_bytes"] / 1e9, 2),
                                 d2h_gb_per_step=round(moved["d2h_bytes"] / 1e9, 2),
                                 pcie_gb_per_s=round((moved["h2d_bytes"] + moved["d2h_bytes"]) / prof_s / 1e9, 1))
             row["pinned_gib"] = round(pinned_bytes(opt, swap, offloader) / 2**30, 2)
             torch.cuda.synchronize()
             # GPU stall of the profiled step: the compute stream waiting for an update / a layer's weights
-            row["extra"]["update_stall_ms"] = round(opt.stall.total_ms() - update_stall_before, 1)
+            row["extra"]["update_stall_ms"] = round((opt.stall.total_ms() - update_stall_before) / nprof, 1)
             if swap is not None:
                 row["extra"].update(swap_extra(swap, swap_before, layer_stall_before))
         elif a.trace:  # other systems are profiled only when asked
-            row["extra"].update(gpu_idle_ms(step, a.trace))
+            row["extra"].update(gpu_idle_ms(step, a.trace, a.profile_steps))
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
     if world > 1:
