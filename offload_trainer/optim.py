@@ -20,7 +20,10 @@ When the updates happen:
   the gradient set on the GPU either -- whichever `update_in_backward` is. Without it, gradients
   accumulate on the device as usual. `clip_grad_norm_` then scales them exactly as
   `torch.nn.utils.clip_grad_norm_` would, and `step()` streams the updates in forward order; with
-  `attach(model)` the next forward overlaps them, each layer waiting only for its own update.
+  `attach(model)` the next forward overlaps them, each layer waiting only for its own update: step() takes
+  every update (gradient, learning rate, step count) but queues only the first layers', and each layer's forward
+  queues the next ones (`LAUNCH_AHEAD`), so the CPU never blocks on full copy queues before that forward starts.
+  Reading weights outside a forward therefore needs `synchronize()` first (the Trainer does it).
 
 Data parallel (`sharding=Sharding()`, distributed.py): each rank keeps and updates only the states of the
 tensors it owns; gradients are averaged onto their owner as they are ready, and the owner broadcasts the
@@ -49,6 +52,9 @@ from .streams import LaunchThread, StallMeter, Streams, pinned_empty
 
 __all__ = ["StreamedAdamW8bit", "forward_units"]
 
+
+# step()'s updates are queued as the next forward reaches each unit, this many units ahead of it.
+LAUNCH_AHEAD = 2
 
 # Inductor options for the update. None by default: bench/update_kernel.py measured int32 codes in the quantizer,
 # no bounds asserts on the table lookups, multi-kernel reductions and autotuning within ~10% of the default kernel
@@ -143,6 +149,21 @@ class _Slot:
     grad_bytes: Tensor | None  # raw bytes for a chunk of gradient, viewed as its dtype
     free: object = None  # event: the last copy-back out of this slot is done
     views: dict = field(default_factory=dict)  # chunk length -> its views (`_slot_views`)
+
+
+@dataclass
+class _Update:
+    """One tensor's update, taken at `step()` (or at its gradient hook): everything it reads that the caller may change
+    before it is queued -- the gradient, the step count, the learning rate, the clip coefficient."""
+
+    p: Tensor
+    grad: Tensor | None  # on the device; None: its copy in pinned host memory
+    grad_ready: object  # event: the gradient (device or host) is final
+    step: Tensor
+    args: tuple  # (lr, beta1, beta2, weight_decay, eps, stochastic rounding)
+    coef: Tensor | None  # the clip coefficient, applied to a host gradient by its update
+    hold: bool  # the gradient was just made (backward): count it against the backlog (`_hold`)
+    rank: int = 0  # place of its unit in the launch order (`_launch_order`)
 
 
 @dataclass
@@ -264,6 +285,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._unit_of: dict[Tensor, int] = {}
         self._unit_event: dict[int, object] = {}
         self._handles: list = []
+        self._fired: set[int] = set()  # units whose forward ran with grad enabled since the last step()
+        self._deferred: collections.deque[_Update] = collections.deque()  # step()'s updates not queued yet
+        self._launch_rank: dict[int, int] = {}  # unit -> its place in the launch order of the deferred updates
         self._norm_order = self._params
         self._prev_d2h_done = None  # event: the last step's copy-backs finished (host states final)
         self._prev_h2d_done = None  # event: the last step's host gradients were read
@@ -392,6 +416,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     def detach(self) -> None:
         self._drain()
+        self._launch_deferred()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -402,6 +427,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         def hook(module, args):
             # The forward of this unit reads weights that the update stream may still be writing.
             self._drain()  # (a forward right after backward, without step(): its updates must be queued first)
+            if torch.is_grad_enabled():
+                self._fired.add(unit)
+            self._launch_deferred(unit)
             self.stall.wait(self._streams.compute(), self._unit_event.get(unit))
 
         return hook
@@ -450,6 +478,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def _on_grad_ready(self, p: Tensor) -> None:
         if p.grad is None:
             return
+        if self._deferred:  # a backward without a forward through every unit: the last step's updates go first
+            self._launch_deferred()
         if self._accumulating:
             if self._shard is not None and self.offload_gradients:
                 self._reduce_micro_batch(p)
@@ -690,28 +720,36 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ the update
     def _update_param(self, p: Tensor, grad_ready) -> None:
-        """Queue the update of one tensor; the gradient is `p.grad` (device) or its host copy."""
-        with self._residency(p, self._streams.update):
-            self._queue_update(p, grad_ready)
+        """Queue the update of one tensor now (from backward); the gradient is `p.grad` (device) or its host copy."""
+        self._launch(self._take(p, grad_ready, hold=True))
 
-    def _queue_update(self, p: Tensor, grad_ready) -> None:
-        S = self._streams
+    def _take(self, p: Tensor, grad_ready, *, hold: bool) -> _Update:
+        """`p`'s update as of now: its step counted, learning rate and gradient taken (`p.grad` becomes None)."""
         group, st = self._group_of[p], self.state[p]
         st["step"] += 1
         step = st["step"].clone()  # read when each kernel launches; never mutated afterwards
-        lr = torch.as_tensor(group["lr"], dtype=torch.float32).clone()  # as step: fixed at queue time
+        lr = torch.as_tensor(group["lr"], dtype=torch.float32).clone()  # as step: fixed now (schedulers fill_() it)
         sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
-        hyper = (lr, group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"])
-        grad = p.grad
+        args = (lr, group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], sr)
+        grad, p.grad = p.grad, None
+        return _Update(p, grad, grad_ready, step, args, self._plan.clip_coef if grad is None else None, hold)
+
+    def _launch(self, u: _Update) -> None:
+        """Queue the copies and the update of a taken update, and mark its unit's next forward ready."""
+        with self._residency(u.p, self._streams.update):
+            self._queue_update(u)
+
+    def _queue_update(self, u: _Update) -> None:
+        S, p, grad, step, args = self._streams, u.p, u.grad, u.step, u.args
+        st = self.state[p]
         on_host = grad is None
         if grad is not None:
-            S.update.wait_event(grad_ready)
+            S.update.wait_event(u.grad_ready)
             S.keep_alive(grad, S.update)
-            p.grad = None
         self.stats["updates"] += 1
         if p not in self._place:
             with S.on(S.update):  # small tensors: states stay on the device, nothing to stream
-                self._step_fn(p.detach(), grad, step, st["exp_avg"], st["exp_avg_sq"], None, *hyper, True, sr)
+                self._step_fn(p.detach(), grad, step, st["exp_avg"], st["exp_avg_sq"], None, *args[:5], True, args[5])
             return
         n = p.numel()
         flat_p = p.detach().view(-1)
@@ -722,12 +760,12 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 sumsq = self._plan.sumsq[p] = torch.zeros((), dtype=torch.float32, device=self.device)
             S.keep_alive(sumsq, S.compute())  # read there by clip_grad_norm_
         if p in self._on_device:  # states on the device: one update over the whole tensor, nothing to copy
-            self._update_on_device(p, flat_p, flat_g, step, (*hyper, sr), sumsq)
+            self._update_on_device(p, flat_p, flat_g, step, args, sumsq)
         else:
             for chunk in self._host_chunks(p):
-                self._update_chunk(chunk, flat_p, flat_g, grad_ready if on_host else None, step, (*hyper, sr), sumsq)
-        if not on_host:
-            self._hold(S.record(S.update), n * grad.element_size())  # the gradient is freed once the update read it
+                self._update_chunk(chunk, flat_p, flat_g, u.grad_ready if on_host else None, step, args, sumsq, u.coef)
+        if not on_host and u.hold:  # the gradient is freed once the update read it
+            self._hold(S.record(S.update), n * grad.element_size())
 
     def _update_on_device(self, p: Tensor, flat_p: Tensor, flat_g: Tensor, step, args, sumsq) -> None:
         """The update of a tensor whose states stay on the device (`device_state_bytes`), on the update stream."""
@@ -771,7 +809,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             views = slot.views[n] = (codes, scales, (codes[0], codes[1]), (scales[0], scales[1]), g)
         return views
 
-    def _update_chunk(self, chunk, flat_p, flat_g, host_grad_ready, step, args, sumsq=None) -> None:
+    def _update_chunk(self, chunk, flat_p, flat_g, host_grad_ready, step, args, sumsq=None, coef=None) -> None:
         S, bs = self._streams, self.block_size
         s, e, host_codes, host_scales, host_grad, flat_start = chunk
         n = e - s
@@ -799,13 +837,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         S.update.wait_event(loaded)
         whole = s == 0 and e == flat_p.numel()
         with S.on(S.update):
-            coef = None
             if flat_g is None:
-                coef = self._plan.clip_coef
                 if coef is not None and self._fused is None:
                     g = g * coef  # bf16 * fp32 scalar -> bf16, as clip_grad_norm_ does in place
             else:
-                g = flat_g if whole else flat_g[s:e]
+                g, coef = flat_g if whole else flat_g[s:e], None
             chunk_p = flat_p if whole else flat_p[s:e]
             if self._fused is not None:  # clipping's product inside the kernel; Philox counters unique per step
                 self._fused(chunk_p, g, codes, scales, *self._qmaps_dev, step, *args, grad_scale=coef, sumsq=sumsq,
@@ -830,6 +866,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if norm_type != 2.0:
             raise ValueError("only the L2 norm (norm_type=2) is supported")
         self._drain()
+        self._launch_deferred()
         if self._plan.updated and math.isfinite(max_norm):
             raise RuntimeError(
                 "updates already ran during backward (update_in_backward=True), so gradients cannot be "
@@ -881,16 +918,19 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Queue the update of every tensor that still has a gradient (on the device or the host).
+        """Update every tensor that still has a gradient (on the device or the host).
 
-        With `attach()`, returns without waiting: each layer's next forward waits for its own update.
-        Without, the compute stream waits for all updates before continuing.
+        With `attach()`, returns without waiting: the updates are taken now and queued as the next forward reaches
+        each layer, which waits for its own; `synchronize()` queues and finishes them all (before reading weights
+        outside a forward). Without `attach()` (or when no layer's forward ran), they are all queued now and the
+        compute stream waits for them before continuing.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._drain()
+        self._launch_deferred()
         if self._skip:  # weights and states stay as they are; gradients (device or host) are dropped
             self._skip = False
             for p in self._params:
@@ -898,6 +938,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             self._plan = _StepPlan()
             self._host_sum.clear()
             self._dev_sum.clear()
+            self._fired = set()
             return loss
         self._ensure_states()
         S = self._streams
@@ -910,24 +951,68 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 not self._owns(p) or p.grad is not None or p in self._plan.host_grad_ready)]
         else:
             pending = [p for p in self._params if p.grad is not None or p in self._plan.host_grad_ready]
+        waited = bool(self._units) and bool(self._fired) and all(p in self._unit_of for p in self._params)
         if pending:
             # the clip coefficient and in-place clipped gradients come from the compute stream
             S.update.wait_event(grads_final)
-            order = {p: i for i, ps in enumerate(self._units) for p in ps}
-            pending.sort(key=lambda p: order.get(p, len(self._units)))
-            for p in pending:
-                if self._owns(p):
-                    self._update_param(p, self._plan.host_grad_ready.get(p, grads_final))
-                self._publish(p)
-        self._finish_step()
+            rank = self._launch_order()
+            pending.sort(key=lambda p: rank.get(self._unit_of.get(p), len(rank)))
+            if waited and self._shard is None and self._residency is _always_resident:
+                # Taken now, queued as the next forward reaches each unit (`_launch_deferred`): queuing them all
+                # here would block the CPU once the copy streams' queues fill (8B: ~0.3 s per step), and the next
+                # forward could not start beside them.
+                for p in pending:
+                    u = self._take(p, self._plan.host_grad_ready.get(p, grads_final), hold=False)
+                    u.rank = rank[self._unit_of[p]]
+                    self._deferred.append(u)
+                self._launch_rank = rank
+                self._launch_deferred(min(rank, key=rank.get))  # the copies start now
+            else:
+                for p in pending:
+                    if self._owns(p):
+                        self._launch(self._take(p, self._plan.host_grad_ready.get(p, grads_final), hold=False))
+                    self._publish(p)
+        self._fired = set()
+        self._finish_step(waited)
         return loss
 
-    def _finish_step(self) -> None:
+    def _launch_order(self) -> dict[int, int]:
+        """unit -> its place in the order step()'s updates are queued: forward order, except that units after the
+        last one whose forward ran (with grad) go just before it -- their weights are read without their module
+        being called (an LM head whose weight a chunked loss reads), so no wait of their own covers them: the wait
+        for that last unit (the final norm) does, the update stream running in order."""
+        n = len(self._units)
+        if not self._fired:
+            return {u: u for u in range(n)}
+        last = max(self._fired)
+        order = [*range(last), *range(last + 1, n), last]
+        return {u: i for i, u in enumerate(order)}
+
+    def _launch_deferred(self, unit: int | None = None) -> None:
+        """Queue step()'s taken updates through `unit` (in launch order) and `LAUNCH_AHEAD` units more; all of them
+        when None. Called by each unit's forward pre-hook, and before anything else touches gradients or states."""
+        if not self._deferred:
+            return
+        limit = math.inf if unit is None else self._launch_rank.get(unit, math.inf) + LAUNCH_AHEAD
+        S = self._streams
+        while self._deferred and self._deferred[0].rank <= limit:
+            u = self._deferred.popleft()
+            self._launch(u)
+            self._record_unit_done(u.p, S.update)
+        if not self._deferred:
+            self._record_step_end()
+
+    def _record_step_end(self) -> None:
+        """Every update of the step is queued: the next step's copies wait for these (host states and gradients)."""
         S = self._streams
         self._prev_d2h_done = S.record(S.d2h)
         self._prev_h2d_done = S.record(S.h2d)
-        orphans = any(p not in self._unit_of for p in self._params)
-        if not self._units or orphans:
+
+    def _finish_step(self, waited: bool = False) -> None:
+        S = self._streams
+        if not self._deferred:
+            self._record_step_end()
+        if not waited:
             # No per-layer waits cover these weights: the compute stream waits for every update.
             S.compute().wait_stream(S.update)
             if self._shard is not None:
@@ -944,6 +1029,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Block until every queued copy and update is done (before reading weights or states on the host)."""
         self._drain()
+        self._launch_deferred()
         S = self._streams
         if S.is_cuda:
             S.compute().wait_stream(S.update)

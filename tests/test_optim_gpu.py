@@ -6,7 +6,7 @@ import torch
 from torchao.optim import AdamW8bit
 
 from offload_trainer.optim import StreamedAdamW8bit
-from test_optim import BETAS, LR, rel_l2, run
+from test_optim import BETAS, LR, HeadReadLM, rel_l2, run
 from tiny_models import TinyLM, param_groups
 
 pytestmark = pytest.mark.gpu
@@ -24,10 +24,10 @@ MODES = {
 }
 
 
-def pair(model_kw, dtype, lr=LR, **kw):
+def pair(model_kw, dtype, lr=LR, cls=TinyLM, **kw):
     torch.manual_seed(0)
-    ref = TinyLM(**model_kw).to("cuda", dtype)
-    ours = TinyLM(**model_kw).to("cuda", dtype)
+    ref = cls(**model_kw).to("cuda", dtype)
+    ours = cls(**model_kw).to("cuda", dtype)
     ours.load_state_dict(ref.state_dict())
     ref_opt = AdamW8bit(param_groups(ref), lr=lr, betas=BETAS, bf16_stochastic_round=False)
     opt = StreamedAdamW8bit(param_groups(ours), lr=lr, betas=BETAS, bf16_stochastic_round=False,
@@ -121,6 +121,48 @@ def test_thin_wide_without_syncs_diverges(monkeypatch, mode):
         if not errs[-1] <= 1e-3:  # (NaN counts as diverged)
             break
     print(f"{mode} without waits: change err {errs}")
+    assert not errs[-1] <= 1e-3
+
+
+WIDE_HEAD = dict(vocab=1 << 20, d=32, hidden=64, n_layers=2)  # a 32M-value head (8 chunks), read after a tiny layer
+
+
+def head_read_errors(mode: str, seeds, monkeypatch=None) -> list[float]:
+    """Weight errors after 6 clipped steps of a model whose loss reads the head's weight without calling the head
+    (as the chunked loss does), against torchao; `monkeypatch`: queue the updates in plain forward order."""
+    kw, max_norm = MODES[mode]
+    errs = []
+    for seed in seeds:
+        ref, ref_opt, ours, opt = pair(WIDE_HEAD, torch.float32, lr=THIN_LR, cls=HeadReadLM, chunk_numel=1 << 22,
+                                       **dict(kw))
+        start = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
+        run(ref, ref_opt, steps=6, accum=1, max_norm=max_norm, seed=seed, streamed=False, device="cuda")
+        if monkeypatch is not None:
+            natural = lambda self: {u: u for u in range(len(self._units))}  # noqa: E731
+            monkeypatch.setattr(StreamedAdamW8bit, "_launch_order", natural)
+        run(ours, opt, steps=6, accum=1, max_norm=max_norm, seed=seed, streamed=True, device="cuda")
+        if monkeypatch is not None:
+            monkeypatch.undo()
+        torch.cuda.synchronize()
+        errs.append(change_err(ref, ours, start))
+        if monkeypatch is not None and not errs[-1] <= 1e-3:
+            break
+    return errs
+
+
+@pytest.mark.parametrize("mode", ["offload_grads_clip", "grads_on_gpu_clip"])
+def test_a_head_read_without_its_forward_waits_for_its_update(mode):
+    """The head's update (8 chunks of copies) is queued before the last layer's, whose forward waits for it."""
+    errs = head_read_errors(mode, (2,))
+    print(f"{mode}: change err {errs}")
+    assert errs[0] <= 1e-3
+
+
+@pytest.mark.parametrize("mode", ["offload_grads_clip", "grads_on_gpu_clip"])
+def test_a_head_read_without_its_forward_races_in_plain_forward_order(monkeypatch, mode):
+    """Negative control: queued after the last layer's update, the head's is still running when the loss reads it."""
+    errs = head_read_errors(mode, (2, 3, 4), monkeypatch)
+    print(f"{mode} in forward order: change err {errs}")
     assert not errs[-1] <= 1e-3
 
 

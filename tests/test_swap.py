@@ -103,6 +103,7 @@ def test_full_finetune_with_streamed_optimizer_matches_unswapped(device, clip):
             o.step()
             o.zero_grad()
             losses[id(m)].append(loss.item())
+    ref_opt.synchronize()  # (weights are read next: the last step's updates are queued and run first)
     opt.synchronize()
     swap.synchronize()
     assert losses[id(ref)] == losses[id(model)]
@@ -140,6 +141,7 @@ def test_accumulation_sums_swapped_gradients_on_the_host(device, clip):
                 o.clip_grad_norm_(0.5)
             o.step()
             o.zero_grad()
+    ref_opt.synchronize()
     opt.synchronize()
     swap.synchronize()
     assert losses[id(ref)] == losses[id(model)]
