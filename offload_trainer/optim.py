@@ -964,7 +964,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 for p in pending:
                     u = self._take(p, self._plan.host_grad_ready.get(p, grads_final), hold=False)
                     u.rank = rank[self._unit_of[p]]
-                    self._deferred.append(u)
+                    if self._draws_random(u):  # queued now, so the global RNG is drawn at the same point as ever
+                        self._launch(u)
+                        self._record_unit_done(p, S.update)
+                    else:
+                        self._deferred.append(u)
                 self._launch_rank = rank
                 self._launch_deferred(min(rank, key=rank.get))  # the copies start now
             else:
@@ -975,6 +979,13 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._fired = set()
         self._finish_step(waited)
         return loss
+
+    def _draws_random(self, u: _Update) -> bool:
+        """Whether `u`'s update draws from the global RNG (stochastic rounding by torchao's update: small tensors, or
+        every tensor without the fused kernel, whose Philox counters depend on the step and place only). Such
+        updates are queued by step() itself: queued later, they would draw after the next step's own random numbers
+        (data, dropout), and a run would round differently depending on where it synchronized (a checkpoint)."""
+        return u.args[5] and (self._fused is None or u.p not in self._place)
 
     def _launch_order(self) -> dict[int, int]:
         """unit -> its place in the order step()'s updates are queued: forward order, except that units after the

@@ -192,6 +192,22 @@ def test_step_queues_each_update_as_the_next_forward_reaches_its_unit(offload_gr
     opt.zero_grad()
 
 
+def test_updates_that_draw_random_numbers_are_queued_by_step():
+    """torchao's update rounds bf16 stochastically with the global RNG (here on CPU: no fused kernel): such updates
+    are queued by step() itself, so the random numbers they draw do not depend on where the next forward (or a
+    checkpoint's synchronize) queued them; without stochastic rounding the same updates wait for the forward."""
+    for sr in (True, False):
+        torch.manual_seed(0)
+        model = TinyLM(n_layers=4).to(torch.bfloat16)
+        opt = StreamedAdamW8bit(model.parameters(), lr=LR, chunk_numel=4096, bf16_stochastic_round=sr)
+        opt.attach(model)
+        model.loss(torch.randint(0, 128, (2, 9))).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        assert bool(opt._deferred) is not sr
+        opt.synchronize()
+
+
 def test_a_head_read_without_its_forward_is_updated_before_the_last_unit_that_runs():
     """The head's weight is read after the last layer without its module being called: its update is queued before
     that layer's, so the layer's wait covers it (the update stream runs in order); the results are torchao's."""

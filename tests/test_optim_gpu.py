@@ -158,9 +158,10 @@ def test_a_head_read_without_its_forward_waits_for_its_update(mode):
     assert errs[0] <= 1e-3
 
 
-@pytest.mark.parametrize("mode", ["offload_grads_clip", "grads_on_gpu_clip"])
+@pytest.mark.parametrize("mode", ["offload_grads_clip"])
 def test_a_head_read_without_its_forward_races_in_plain_forward_order(monkeypatch, mode):
-    """Negative control: queued after the last layer's update, the head's is still running when the loss reads it."""
+    """Negative control: queued after the last layer's update, the head's is still running when the loss reads it
+    (its gradient crossing PCIe too; with the gradient on the GPU the race did not show in 3 runs on the H200)."""
     errs = head_read_errors(mode, (2, 3, 4), monkeypatch)
     print(f"{mode} in forward order: change err {errs}")
     assert not errs[-1] <= 1e-3
