@@ -145,9 +145,14 @@ def head_read_errors(mode: str, seeds, monkeypatch=None) -> list[float]:
             monkeypatch.undo()
         torch.cuda.synchronize()
         errs.append(change_err(ref, ours, start))
-        if monkeypatch is not None and not errs[-1] <= 1e-3:
+        if monkeypatch is not None and not errs[-1] <= HEAD_TOL:
             break
     return errs
+
+
+# The same kernels on the same inputs: 0 measured on the H200 (the race, a loss that read a one-step-old head:
+# 1.7e-3 at seed 2). Tighter than the thin-wide tests' 1e-3, which a read of the old head stays close to.
+HEAD_TOL = 1e-5
 
 
 @pytest.mark.parametrize("mode", ["offload_grads_clip", "grads_on_gpu_clip"])
@@ -155,7 +160,7 @@ def test_a_head_read_without_its_forward_waits_for_its_update(mode):
     """The head's update (8 chunks of copies) is queued before the last layer's, whose forward waits for it."""
     errs = head_read_errors(mode, (2,))
     print(f"{mode}: change err {errs}")
-    assert errs[0] <= 1e-3
+    assert errs[0] <= HEAD_TOL
 
 
 @pytest.mark.parametrize("mode", ["offload_grads_clip"])
@@ -164,7 +169,7 @@ def test_a_head_read_without_its_forward_races_in_plain_forward_order(monkeypatc
     (its gradient crossing PCIe too; with the gradient on the GPU the race did not show in 3 runs on the H200)."""
     errs = head_read_errors(mode, (2, 3, 4), monkeypatch)
     print(f"{mode} in forward order: change err {errs}")
-    assert not errs[-1] <= 1e-3
+    assert not errs[-1] <= HEAD_TOL
 
 
 @pytest.mark.parametrize("device_state_bytes", [0, 40000], ids=["streamed", "embedding_states_on_gpu"])
