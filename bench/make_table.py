@@ -34,14 +34,18 @@ def main(paths: list[str]) -> None:
     natives = ("native", "native_8bit", "qlora_native")
     native = {(r["run_id"], r["model"], r["seq_len"], r["tokens_per_step"]): r["tok_per_s"]
               for r in rows if r["system"] in natives and r["tok_per_s"]}
-    # A run that measured its native row more than once pairs each row with the native row before it
-    bases, last = [], {}
+    # A run that measured its native row more than once pairs each row with the native row before it; rows with
+    # exact clipping (`offload_trainer`) pair with `native_clip` (fused AdamW + clip_grad_norm_) where the run has one
+    bases, last, last_clip = [], {}, {}
     for r in rows:
         key = (r["run_id"], r["model"], r["seq_len"], r["tokens_per_step"])
         if r["system"] in natives and r["tok_per_s"]:
             last[key] = r["tok_per_s"]
-        bases.append(last.get(key, native.get(key)))
-    print("| run | commit | model | system | GPU cap | batch x seq | tok/s | vs native | step s | "
+        if r["system"] == "native_clip" and r["tok_per_s"]:
+            last_clip[key] = r["tok_per_s"]
+        base = last.get(key, native.get(key))
+        bases.append(last_clip.get(key, base) if r["system"] == "offload_trainer" else base)
+    print("| run | commit | model | system | GPU cap | batch x seq | tok/s | vs native (clip: native_clip) | step s | "
           "peak reserved GiB | host peak GiB | pinned GiB | GPU idle ms (profiled step) | note |")
     print("|" + " --- |" * 14)
     for r, base in zip(rows, bases):

@@ -347,6 +347,8 @@ def main() -> None:
         if isinstance(opt, StreamedAdamW8bit):
             row["extra"]["launch_thread"] = opt._launcher is not None
             before, update_stall_before = dict(opt.stats), opt.stall.total_ms()
+            # (the profiler's own buffers raise the process's peak RSS by ~0.4 GiB with --trace --profile-steps 2)
+            row["extra"]["host_peak_before_profile_gib"] = round(peak_rss_gib() or float("nan"), 2)
             try:
                 if world == 1:  # (with several ranks, time one more plain step for the byte counts)
                     row["extra"].update(gpu_idle_ms(step, a.trace, a.profile_steps))

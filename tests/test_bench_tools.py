@@ -35,3 +35,20 @@ def test_gaps_split_at_the_launch_and_cpu_time_attributed(tmp_path):
     assert r["cpu_self_ms_while_gpu_waited"] == {"hook": 7.0, "AccumulateGrad": 1.0}
     assert r["streams"][7]["busy_ms"] == 30.0 and r["streams"][13]["last_end_ms"] == 40.0
     assert r["streams"][7]["timeline"][:3] == "## " and len(r["streams"][7]["timeline"]) == 13
+
+
+def test_make_table_pairs_clipping_rows_with_native_clip(tmp_path, capsys):
+    import make_table
+
+    def row(system, tok):
+        return dict(run_id="r", commit="c", model="m", system=system, gpus=1, gpu_cap_gib=24, seq_len=2048,
+                    micro_batch=4, tokens_per_step=8192, tok_per_s=tok, step_s_median=1.0, peak_reserved_gib=1.0,
+                    host_peak_gib=1.0, pinned_gib=1.0, error=None, extra={})
+
+    rows = [row("native", 1000.0), row("offload_trainer_noclip", 900.0), row("native_clip", 800.0),
+            row("offload_trainer", 600.0), row("offload_trainer_noclip", 850.0)]
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps(rows))
+    make_table.main([str(path)])
+    ratios = [line.split(" | ")[7] for line in capsys.readouterr().out.splitlines() if line.startswith("| r |")]
+    assert ratios == ["1.000", "0.900", "0.800", "0.750", "0.850"]  # clipping vs native_clip, the others vs native
