@@ -165,9 +165,10 @@ class OffloadTrainingArguments(TrainingArguments):
     offload_device_states: str = field(
         default="auto",
         metadata={"help": "8-bit AdamW states kept on the GPU instead of streamed, for the tensors backward reaches "
-                          "last (their copies could not overlap anything). 'auto': the input embedding's, when the "
-                          "plan for gpu_memory_limit_gb leaves room; a number: that many GiB (the model's first "
-                          "tensors that fit); 0: every state streamed."},
+                          "last (their copies could not overlap anything). 'auto': the input embedding's when the "
+                          "plan for gpu_memory_limit_gb leaves room, then the next tensors' while max(1 GiB, 5%) of "
+                          "the budget stays free (a 3B model on 24 GiB keeps them all); a number: that many GiB (the "
+                          "model's first tensors that fit); 0: every state streamed."},
     )
     master_weights: str = field(
         default="bf16_sr",

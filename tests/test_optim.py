@@ -494,3 +494,17 @@ def test_nonfinite_gradient_blocks_leave_their_weights_and_8bit_states_alone(upd
     assert torch.isfinite(opt._host_scales).all() and torch.isfinite(target).all()
     other = model.layers[1].up.weight
     assert not torch.equal(other, before["layers.1.up.weight"])  # the rest of the model did update
+
+
+@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward_offload_grads"])
+def test_every_state_on_the_device_streams_nothing(mode):
+    """A budget with room for every 8-bit state (the planner's 'auto' on a small model): nothing on the host, no GPU
+    slots, no copies; still torchao's results bit for bit."""
+    kw, attach, max_norm = MODES[mode]
+    ref, ref_opt, ours, opt = make_pair("cpu", device_state_bytes=1 << 40, **kw)
+    opt.attach(ours)
+    ref_losses, _ = run(ref, ref_opt, steps=10, accum=2, max_norm=max_norm, seed=7, streamed=False, device="cpu")
+    losses, _ = run(ours, opt, steps=10, accum=2, max_norm=max_norm, seed=7, streamed=True, device="cpu")
+    assert losses == ref_losses and rel_l2(ref, ours) == 0.0
+    assert not opt._offset and opt._on_device and not opt._slots
+    assert opt.memory_stats()["host_state_bytes"] == 0 and opt.stats["h2d_bytes"] == opt.stats["d2h_bytes"] == 0

@@ -46,12 +46,13 @@ def test_auto_device_states_keep_the_embedding_when_the_budget_has_room():
     assert p.pcie_gb_per_step == pytest.approx(base.pcie_gb_per_step - 2 * emb / 1e9)
     assert p.breakdown["optimizer states on the GPU"] == pytest.approx(emb / GiB)
     assert "kept on the GPU" in p.table()
+    assert "(the input embedding's) kept on the GPU" in p.table()  # 22.9 GiB: no room for the next tensors'
     # exact clipping: the other gradients wait on the host, the embedding's would stay on the GPU with its states
     # (made at the end of backward, after the peak): 22.2 + 0.99 GiB is over 24 less the context and the margin;
-    # at 26 GiB there is room, and the step moves less over PCIe
+    # at 25 GiB there is room, and the step moves less over PCIe
     clip = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0, device_states="auto")
     assert clip.offload_gradients and clip.device_state_gib == 0
-    roomy = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=26, max_grad_norm=1.0, device_states="auto")
+    roomy = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=25, max_grad_norm=1.0, device_states="auto")
     assert roomy.offload_gradients and roomy.device_state_gib == pytest.approx(emb / GiB)
     assert roomy.gpu_peak_gib == pytest.approx(clip.gpu_peak_gib + emb / GiB)  # its gradient comes after the peak
     assert roomy.step_s < clip.step_s and roomy.pcie_gb_per_step < clip.pcie_gb_per_step
@@ -63,6 +64,50 @@ def test_auto_device_states_keep_the_embedding_when_the_budget_has_room():
     assert plan(cfg, batch=4, seq=2048, max_grad_norm=0, device_states="auto").device_state_gib == 0
     fixed = plan(cfg, batch=4, seq=2048, max_grad_norm=0, device_states=0.5)
     assert fixed.device_state_gib == 0.5 and fixed.pinned_gib == pytest.approx(base.pinned_gib - 0.5)
+
+
+def test_auto_device_states_fill_the_room_a_smaller_model_leaves():
+    """Past the embedding, 'auto' keeps the next tensors' states (model order) on the GPU as long as the predicted
+    peak leaves max(1 GiB, 5% of the budget) free; when every state fits, nothing is streamed (no slots either)."""
+    from offload_trainer.planner import DEVICE_STATE_FILL_FRACTION, DEVICE_STATE_FILL_MARGIN_GIB
+
+    cfg, n = architecture_config("llama3.2-3b"), 3_606_752_256
+    every = 2 * n * (1 + 4 / 256)
+    free = max(DEVICE_STATE_FILL_MARGIN_GIB, DEVICE_STATE_FILL_FRACTION * 24)  # 1.2 GiB
+    base = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0)
+    p = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0, device_states="auto")
+    assert p.device_state_gib == pytest.approx(every / GiB)  # 6.8 GiB: all of them
+    assert p.device_states_scope == "all" and p.pcie_gb_per_step == 0 and p.pinned_gib == pytest.approx(0, abs=1e-9)
+    assert p.breakdown["optimizer slots"] == 0
+    assert p.gpu_peak_gib == pytest.approx(base.gpu_peak_gib - base.breakdown["optimizer slots"] + every / GiB)
+    assert "the budget has room for all; nothing streamed" in p.table()
+    # exact clipping keeps the gradients on the GPU (6.7 GiB): only part of the states fit beside them
+    clip = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0, device_states="auto")
+    assert clip.device_states_scope == "first" and 0.99 < clip.device_state_gib < every / GiB
+    assert clip.gpu_peak_gib == pytest.approx(24 - 0.7 - free, abs=0.01)  # filled to the margin (to 1 MiB)
+    more = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0,
+                device_states=clip.device_state_gib + 0.01)
+    assert more.gpu_peak_gib > 24 - 0.7 - free
+    # a 12 GiB budget leaves no room past the margin: the embedding's at most
+    small = plan(cfg, batch=1, seq=2048, gpu_memory_limit_gb=12, max_grad_norm=0, device_states="auto")
+    assert small.device_states_scope in ("", "embedding") and small.device_state_gib <= 0.75
+
+
+def test_gradients_summed_on_the_gpu_count_through_every_micro_batch():
+    """When accumulating, gradient sums kept on the GPU (the whole set, or those of tensors whose states stay there)
+    are live through each later micro-batch's backward: they add to its start, not only to its end."""
+    cfg = architecture_config("llama3-8b")
+    kw = dict(batch=1, seq=2048, max_grad_norm=0, accum=4, offload_gradients=True)
+    plain = plan(cfg, **kw)
+    kept = plan(cfg, **kw, device_states=1.0)
+    grads = 1.0 / (1 + 4 / 256)  # 2 bytes per value of the tensors whose states (2 + 8/256 bytes) stay
+    assert kept.breakdown["gradients kept"] == pytest.approx(grads)
+    assert kept.gpu_peak_gib == pytest.approx(plain.gpu_peak_gib + 1.0 + grads)
+    assert kept.breakdown["checkpointed activations"] == plain.breakdown["checkpointed activations"]
+    on_gpu = plan(cfg, **dict(kw, offload_gradients=False))
+    n = 8_030_261_248
+    assert on_gpu.gpu_peak_gib == pytest.approx(plain.gpu_peak_gib - plain.breakdown["optimizer slots"]
+                                                + on_gpu.breakdown["optimizer slots"] + 2 * n / GiB)
 
 
 @pytest.mark.parametrize("kw", [dict(max_grad_norm=1.0, offload_gradients=False), dict(max_grad_norm=0, accum=4,
