@@ -70,7 +70,7 @@ def main(paths: list[str]) -> None:
         if e.get("act_max_inflight"):
             note = f"at most {e['act_max_inflight']} activation copies in flight; " + note
         if e.get("device_state_gib"):
-            note = f"{e['device_state_gib']:g} GiB of states on the GPU (input embedding); " + note
+            note = f"{e['device_state_gib']:g} GiB of states on the GPU (model order: input embedding first); " + note
         if "window_step_s" in e:
             note = f"back to back {e['window_step_s']} s/step; " + note
         if e.get("launch_thread"):  # (rows without it queued the updates from backward's thread)
