@@ -135,16 +135,16 @@ class OffloadTrainingArguments(TrainingArguments):
         metadata={"help": "Gradients that must wait -- for the global norm (max_grad_norm > 0), or for the next "
                           "micro-batch (gradient_accumulation_steps > 1, summed there) -- wait in pinned CPU memory "
                           "(saves 2 bytes/param of GPU memory, costs 4 bytes/param of PCIe traffic per step, and per "
-                          "micro-batch when accumulating; needed for 8B on 24 GiB). Unset: the planner decides when "
-                          "gpu_memory_limit_gb is given; else on when accumulating with swapped trained layers, off "
-                          "otherwise."},
+                          "micro-batch when accumulating; needed for 8B on 24 GiB). Unset: the planner decides, for "
+                          "gpu_memory_limit_gb or else the GPU's own memory; without a GPU, on when accumulating with "
+                          "swapped trained layers, off otherwise."},
     )
     activation_offload: bool | None = field(
         default=None,
         metadata={"help": "Keep checkpointed layer inputs in pinned CPU memory, copied on side streams and "
                           "prefetched before each layer's recompute (saves layers x tokens x hidden x 2 bytes of "
-                          "GPU memory; needs gradient_checkpointing). Unset: the planner decides when "
-                          "gpu_memory_limit_gb is given, else off."},
+                          "GPU memory; needs gradient_checkpointing). Unset: the planner decides, for "
+                          "gpu_memory_limit_gb or else the GPU's own memory; without a GPU, off."},
     )
     offload_chunk_numel: int = field(
         default=2**25,
@@ -166,9 +166,10 @@ class OffloadTrainingArguments(TrainingArguments):
         default="auto",
         metadata={"help": "8-bit AdamW states kept on the GPU instead of streamed, for the tensors backward reaches "
                           "last (their copies could not overlap anything). 'auto': the input embedding's when the "
-                          "plan for gpu_memory_limit_gb leaves room, then the next tensors' while max(1 GiB, 5%) of "
-                          "the budget stays free (a 3B model on 24 GiB keeps them all); a number: that many GiB (the "
-                          "model's first tensors that fit); 0: every state streamed."},
+                          "plan for gpu_memory_limit_gb (or the GPU's own memory) leaves room, then the next "
+                          "tensors' while max(1 GiB, 5%) of the budget stays free (a 3B model on 24 GiB keeps them "
+                          "all); a number: that many GiB (the model's first tensors that fit); 0: every state "
+                          "streamed."},
     )
     master_weights: str = field(
         default="bf16_sr",

@@ -1,4 +1,4 @@
-"""Host memory figures from /proc (Linux); None where unavailable."""
+"""Host memory figures from /proc (Linux), and the current GPU's as a planner budget; None where unavailable."""
 from __future__ import annotations
 
 
@@ -21,6 +21,18 @@ def rss_gib() -> float | None:
 
 def peak_rss_gib() -> float | None:
     return proc_gib("/proc/self/status", "VmHWM")
+
+
+def gpu_budget_gib(context_gib: float) -> float | None:
+    """The current CUDA device as a planner budget (GiB): its free memory plus what this process's allocator already
+    holds (the model, when it is on the GPU), plus `context_gib`, the CUDA context the planner takes off again.
+    None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return (free + torch.cuda.memory_reserved()) / 2**30 + context_gib
 
 
 def trim_host_memory() -> None:

@@ -35,9 +35,9 @@ from .distributed import Sharding
 from .errors import CheckpointError, TrainingInterrupted, TrainingStopped
 from .loss import chunked_causal_lm_loss
 from .optim import StreamedAdamW8bit
-from .planner import Plan, PlanError, device_state_setting, plan_from_args
+from .planner import Machine, Plan, PlanError, device_state_setting, plan_from_args
 from .swap import LayerSwap
-from .sysinfo import rss_gib, trim_host_memory
+from .sysinfo import gpu_budget_gib, rss_gib, trim_host_memory
 
 logger = logging.getLogger("offload_trainer")
 @functools.lru_cache(maxsize=None)
@@ -336,17 +336,19 @@ class OffloadMixin:
         sample = self.train_dataset[0] if self.train_dataset is not None and len(self.train_dataset) else None
         if config is None or not isinstance(sample, dict) or "input_ids" not in sample:
             return
-        gpu_gb = getattr(self.args, "gpu_memory_limit_gb", None)
-        if not gpu_gb and self._flag("layer_swap") == "auto" and torch.cuda.is_available():
-            gpu_gb = torch.cuda.mem_get_info()[0] / 2**30  # no cap given: what the card has free
+        # no cap given: plan for the card (its free memory and what the model already holds), so the switches left
+        # unset (gradient and activation offload, layer swap, states kept on the GPU) suit it
+        gpu_gb = getattr(self.args, "gpu_memory_limit_gb", None) or gpu_budget_gib(Machine().cuda_context_gib)
         try:
             self._plan = plan_from_args(self.args, config, len(sample["input_ids"]), gpu_gb=gpu_gb, lora_params=lora,
                                         weight_bits=bits)
         except (AttributeError, TypeError):  # not a decoder-only LM config the planner knows
             return
-        except PlanError:
+        except PlanError as e:
             if getattr(self.args, "gpu_memory_limit_gb", None):
                 raise
+            if gpu_gb:  # (the card's own memory: warn, and let training try with the switches as given)
+                logger.warning("the planner finds no plan that fits this GPU (%.1f GiB): %s", gpu_gb, e)
             return
         logger.info("plan:\n%s", self._plan.table())
 

@@ -237,3 +237,41 @@ def test_gpu_logs_show_pcie_pinned_and_stall_with_layer_swap(tmp_path):
     assert trainer._swap.stats["loads"] > 0 and trainer._swap.memory_stats()["pinned_bytes"] > 0
     assert trainer._offload_opt.memory_stats()["pinned_bytes"] > 0 and trainer._activations.pinned_bytes() > 0
     assert trainer._offload_opt.offload_gradients  # accumulating with swapped layers: the sums wait in pinned memory
+
+
+def test_without_a_cap_the_plan_is_for_the_gpus_own_memory(monkeypatch):
+    """No gpu_memory_limit_gb: on a GPU the planner plans for its free memory plus what this process already holds
+    (and the CUDA context, which the planner takes off again); without CUDA there is no budget."""
+    from offload_trainer import sysinfo
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert sysinfo.gpu_budget_gib(0.7) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (20 * 2**30, 24 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 3 * 2**30)
+    assert sysinfo.gpu_budget_gib(0.7) == pytest.approx(23.7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
+def test_gpu_resume_without_a_cap_plans_for_the_card(tmp_path, max_grad_norm):
+    """On a GPU with no gpu_memory_limit_gb the plan is for the card: a tiny model keeps every 8-bit state on it
+    ('auto'); with clipping the updates are queued by the next forward. Save at 20, resume, 40: the same losses."""
+    def trainer(out, seed=0, **kw):
+        model, _, train = tiny_setup(seq=32, seed=seed)
+        args = make_args(out, max_grad_norm=max_grad_norm)
+        args._n_gpu = min(args.n_gpu, 1)
+        return OffloadTrainer(model=model, args=args, train_dataset=train, **kw)
+
+    full = trainer(tmp_path / "full")
+    full.train()
+    want = losses_of(full)
+    assert full._plan is not None and full._plan.gpu_budget_gib > 30  # the card's own memory (not a cap)
+    assert full._offload_opt._on_device and not full._offload_opt._offset  # every state kept on the GPU
+    first = trainer(tmp_path / "cut", callbacks=[StopAt(20)])
+    first.train()
+    second = trainer(tmp_path / "cut", seed=123)
+    second.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-20"))
+    got = losses_of(second)
+    assert len(got) == len(want) == 40
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
