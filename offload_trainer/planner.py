@@ -38,6 +38,9 @@ class Machine:
     # 0.240 s per step (medians) over 28 layers in two runs (20261130-s14a, -s14b)
     cpu_s_per_layer: float = 7.4e-3
     cuda_context_gib: float = 0.7  # taken from the card outside PyTorch's allocator
+    # a training process's RSS beside its pinned buffers (torch, CUDA runtime, transformers, the batch): 1.66-1.74 GiB
+    # measured before any profiling (3B rows of runs 20261130-s17d, -s17e); 1.5 before, which put hosts 2-10% under
+    host_base_gib: float = 1.7
     backward_inflation: float = 1.08  # update kernels running beside backward slow it (8B: 1077 vs 980 ms)
     nf4_slowdown: float = 1.40  # bitsandbytes NF4 matmuls dequantize every weight each use (70B QLoRA: 2.38 s
     #                             measured vs 1.70 s at the bf16 rate)
@@ -270,7 +273,7 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     host_grads = 2 * params / ranks - device_grads if offload_gradients and not lora else 0
     host_acts = L * ckpt_per_layer if activation_offload else 0
     pinned = node_ranks * (states + host_grads + host_acts + swapped * layer_bytes)
-    host = node_ranks * 1.5 * GiB + pinned
+    host = node_ranks * machine.host_base_gib * GiB + pinned
 
     # a swapped layer is fetched twice per micro-batch (forward, recompute + backward) and, changed, copied back
     # once per step (with clipping, fetched once more for the update after backward)
