@@ -288,6 +288,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._fired: set[int] = set()  # units whose forward ran with grad enabled since the last step()
         self._deferred: collections.deque[_Update] = collections.deque()  # step()'s updates not queued yet
         self._launch_rank: dict[int, int] = {}  # unit -> its place in the launch order of the deferred updates
+        self._covered_by: dict[int, int] = {}  # unit whose forward never runs -> the unit whose wait covers it
         self._norm_order = self._params
         self._prev_d2h_done = None  # event: the last step's copy-backs finished (host states final)
         self._prev_h2d_done = None  # event: the last step's host gradients were read
@@ -993,9 +994,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         being called (an LM head whose weight a chunked loss reads), so no wait of their own covers them: the wait
         for that last unit (the final norm) does, the update stream running in order."""
         n = len(self._units)
+        self._covered_by = {}
         if not self._fired:
             return {u: u for u in range(n)}
         last = max(self._fired)
+        self._covered_by = {u: last for u in range(last + 1, n)}
         order = [*range(last), *range(last + 1, n), last]
         return {u: i for i, u in enumerate(order)}
 
@@ -1010,6 +1013,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             u = self._deferred.popleft()
             self._launch(u)
             self._record_unit_done(u.p, S.update)
+            cover = self._covered_by.get(self._unit_of[u.p])
+            if cover is not None:  # (that unit's own update may have been queued earlier, by step())
+                self._unit_event[cover] = self._unit_event[self._unit_of[u.p]]
         if not self._deferred:
             self._record_step_end()
 

@@ -192,6 +192,66 @@ def test_step_queues_each_update_as_the_next_forward_reaches_its_unit(offload_gr
     opt.zero_grad()
 
 
+class _Numbered:
+    """A CPU stand-in event that knows when it was recorded (CPU streams run everything at once)."""
+
+    def __init__(self, i):
+        self.i = i
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        pass
+
+
+def test_the_last_unit_that_runs_waits_for_a_head_queued_after_its_own_update():
+    """When the last unit's own update was queued by step() (stochastic rounding draws from the global RNG: small
+    tensors), the head's update is queued later, at that unit's hook: the unit's wait must still cover it."""
+    torch.manual_seed(0)
+    model = HeadReadLM(n_layers=3)
+    opt = StreamedAdamW8bit(param_groups(model), lr=LR, offload_gradients=True, chunk_numel=4096)
+    opt.attach(model)
+    last, head = model.layers[-1], model.head
+    mine = {id(p) for p in last.parameters()}
+    opt._draws_random = lambda u: id(u.p) in mine  # the last layer's updates: queued by step() itself
+    made = []
+
+    def record(stream):
+        made.append(_Numbered(len(made)))
+        return made[-1]
+
+    opt._streams.record = record
+    launched, waited = {}, {}
+    launch = opt._launch
+
+    def logged(u):
+        launch(u)
+        launched[id(u.p)] = len(made)  # events recorded up to here come before this update is queued
+
+    opt._launch = logged
+    wait = opt.stall.wait
+    units = forward_units(model)
+
+    def waits(stream, event):
+        waited.setdefault(len(waited), event)
+        wait(stream, event)
+
+    opt.stall.wait = waits
+    ids = torch.randint(0, 128, (2, 9))
+    model.loss(ids).backward()
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
+    assert all(id(p) in launched for p in last.parameters())  # queued by step()
+    assert not any(id(p) in launched for p in head.parameters())  # not yet: deferred
+    waited.clear()
+    model.loss(ids).backward()
+    last_wait = waited[units.index(last)]  # (the hooks run in forward order: embed, layers; the head's never)
+    assert all(last_wait.i >= launched[id(p)] for p in head.parameters())  # recorded after the head's update
+    opt.synchronize()
+
+
 def test_updates_that_draw_random_numbers_are_queued_by_step():
     """torchao's update rounds bf16 stochastically with the global RNG (here on CPU: no fused kernel): such updates
     are queued by step() itself, so the random numbers they draw do not depend on where the next forward (or a
