@@ -30,21 +30,27 @@ def model_config_of(model_args):
     return AutoConfig.from_pretrained(model_args.model_name_or_path)
 
 
-def make_plan(model_args, data_args, training_args, host_gb: float | None = None, gpus: int | None = None):
+def make_plan(model_args, data_args, training_args, host_gb: float | None = None, gpus: int | None = None,
+              gpu_gb: float | None = None):
     from .planner import PlanError, host_memory_gib, plan_from_args
 
     try:
         return plan_from_args(training_args, model_config_of(model_args), data_args.max_seq_length,
-                              host_gb=host_gb or host_memory_gib(), model_args=model_args, ranks=gpus)
+                              host_gb=host_gb or host_memory_gib(), gpu_gb=gpu_gb, model_args=model_args, ranks=gpus)
     except PlanError as e:
         raise ConfigError(f"{e}") from None
 
 
 def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: float | None = None,
                  gpus: int | None = None) -> None:
+    from . import sysinfo
+    from .planner import Machine
+
     cfg = load_config(config, overrides)
     model_args, data_args, training_args = parse_args(cfg)
-    p = make_plan(model_args, data_args, training_args, host_gb, gpus)
+    # no gpu_memory_limit_gb: on a machine with a GPU, plan for it, as the Trainer will
+    p = make_plan(model_args, data_args, training_args, host_gb, gpus,
+                  gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib))
     if as_json:
         import json
 

@@ -226,6 +226,22 @@ def test_plan_command_table_json_and_refusal(capsys, tmp_path):
     assert json.loads(out)["resident_layers"] < 48 if out else "Host RAM: the plans that fit the GPU need" in err
 
 
+def test_plan_command_without_a_cap_plans_for_this_machines_gpu(capsys, monkeypatch):
+    """No gpu_memory_limit_gb: the plan is for the GPU of this machine, as the Trainer's will be; none without one."""
+    from offload_trainer import sysinfo
+
+    argv = ["plan", "configs/tiny-cpu.yaml", "--json", "model_config=llama3.2-3b", "max_grad_norm=0",
+            "max_seq_length=2048", "per_device_train_batch_size=4"]
+    monkeypatch.setattr(sysinfo, "gpu_budget_gib", lambda context_gib: None)
+    assert cli.main(argv) == 0
+    none = json.loads(capsys.readouterr().out)
+    assert none["gpu_budget_gib"] is None and none["device_state_gib"] == 0
+    monkeypatch.setattr(sysinfo, "gpu_budget_gib", lambda context_gib: 24.0)
+    assert cli.main(argv) == 0
+    card = json.loads(capsys.readouterr().out)
+    assert card["gpu_budget_gib"] == 24.0 and card["device_states_scope"] == "all"  # a 3B model's states fit
+
+
 def test_train_refuses_before_loading_weights(capsys, monkeypatch):
     import offload_trainer.models as models
 
