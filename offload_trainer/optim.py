@@ -717,7 +717,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def _record_unit_done(self, p: Tensor, stream) -> None:
         unit = self._unit_of.get(p)
         if unit is not None:  # one stream per mode (update, or published with data parallel): the last covers all
-            self._unit_event[unit] = self._streams.record(stream)
+            self._unit_event[unit] = event = self._streams.record(stream)
+            cover = self._covered_by.get(unit)
+            if cover is not None:  # its forward never runs: the wait of the last unit that does covers it, even
+                self._unit_event[cover] = event  # where that unit's own update was queued earlier (by step())
 
     # ------------------------------------------------------------------ the update
     def _update_param(self, p: Tensor, grad_ready) -> None:
@@ -1013,9 +1016,6 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             u = self._deferred.popleft()
             self._launch(u)
             self._record_unit_done(u.p, S.update)
-            cover = self._covered_by.get(self._unit_of[u.p])
-            if cover is not None:  # (that unit's own update may have been queued earlier, by step())
-                self._unit_event[cover] = self._unit_event[self._unit_of[u.p]]
         if not self._deferred:
             self._record_step_end()
 

@@ -224,7 +224,8 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     weights = 2 * (params - L * shape.layer_params - shape.vision_linear) + (L - swapped) * layer_bytes + vision_bytes
     largest = V * h
     chunk = min(chunk_numel, largest)
-    streamed_any = device_states < 2 * params * (1 + 4 / block) / ranks  # (all on the GPU: no slots either)
+    all_states = 2 * params * (1 + 4 / block) / ranks  # this process's share of the 8-bit states
+    streamed_any = device_states < all_states  # (all on the GPU: no slots either)
     slots = inflight * chunk * (2 + 8 / block + (2 if offload_gradients else 0)) if not lora and streamed_any else 0
     # torchao's compiled update materialises both fp32 moments of a chunk; the fused kernel keeps them in registers
     update_temps = 2 * 4 * chunk if not (lora or fused_update) else 0
@@ -269,7 +270,7 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     slack = 9 * T * inter * 2  # allocator blocks freed between layers but not reused across sizes
     reserved = allocated + slack
 
-    states = 2 * params * (1 + 4 / block) / ranks - device_states if not lora else 0  # this process's, streamed
+    states = all_states - device_states if not lora else 0  # this process's, streamed
     host_grads = 2 * params / ranks - device_grads if offload_gradients and not lora else 0
     host_acts = L * ckpt_per_layer if activation_offload else 0
     pinned = node_ranks * (states + host_grads + host_acts + swapped * layer_bytes)
@@ -423,9 +424,10 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                         # then the next tensors' (in model order), as many as leave the wider fill margin free
                         limit = gpu_usable - max(DEVICE_STATE_FILL_MARGIN_GIB, DEVICE_STATE_FILL_FRACTION *
                                                  gpu_memory_limit_gb) * GiB
+                        every = 2 * n * (1 + 4 / 256)
                         more = _most_states(lambda b: estimate(**switches, device_states=b)["reserved"] <= limit,
-                                            want, 2 * n * (1 + 4 / 256))
-                        scope = "all" if more >= 2 * n * (1 + 4 / 256) else "first" if more > want else "embedding"
+                                            want, every)
+                        scope = "all" if more >= every else "first" if more > want else "embedding"
                         if more > want:
                             want, e2 = more, estimate(**switches, device_states=more)
                         tried[-1] = p = dataclasses.replace(p, device_state_gib=want / GiB, **_predicted(e2),
