@@ -41,11 +41,11 @@ def main(paths: list[str]) -> None:
         key = (r["run_id"], r["model"], r["seq_len"], r["tokens_per_step"])
         if r["system"] in natives and r["tok_per_s"]:
             last[key] = r["tok_per_s"]
-        if r["system"] == "native_clip" and r["tok_per_s"]:
+        if r["system"] in ("native_clip", "native_8bit_clip") and r["tok_per_s"]:
             last_clip[key] = r["tok_per_s"]
         base = last.get(key, native.get(key))
         bases.append(last_clip.get(key, base) if r["system"] == "offload_trainer" else base)
-    print("| run | commit | model | system | GPU cap | batch x seq | tok/s | vs native (clip: native_clip) | step s | "
+    print("| run | commit | model | system | GPU cap | batch x seq | tok/s | vs native (clip: native_clip or native_8bit_clip) | step s | "
           "peak reserved GiB | host peak GiB | pinned GiB | GPU idle ms (profiled step) | note |")
     print("|" + " --- |" * 14)
     for r, base in zip(rows, bases):
@@ -80,7 +80,9 @@ def main(paths: list[str]) -> None:
                     f"swapped, layer stall {e.get('layer_stall_ms', '-')} ms; ") + note
         if r["gpus"] > 1:
             note = f"{r['gpus']} GPUs, data parallel, per GPU {r['micro_batch']} x {r['seq_len']}; " + note
-        if r["system"] == "native_8bit":
+        if e.get("defer_updates") is False:
+            note = "step() queues every update (--eager-step); " + note
+        if r["system"].startswith("native_8bit"):
             note = "torchao AdamW8bit on the GPU (fp32 AdamW states do not fit 139 GiB); " + note
         if r["system"].endswith("noclip"):
             note = note + "updates during backward, no clipping"

@@ -6,6 +6,7 @@ SYSTEM:
   native               all on the GPU, torch fused AdamW, full-logits loss (no cap)
   native_clip          the same with clip_grad_norm_(1.0) (what HF Trainer does by default)
   native_8bit          all on the GPU, torchao AdamW8bit (for shapes whose fp32 AdamW states exceed the GPU)
+  native_8bit_clip     the same with clip_grad_norm_(1.0)
   offload_trainer      StreamedAdamW8bit, exact clipping at 1.0, gradients offloaded, chunked loss
   offload_trainer_noclip  StreamedAdamW8bit, updates during backward (max_grad_norm 0), chunked loss
   torchao_cpu_offload  torchao CPUOffloadOptimizer(AdamW fused, offload_gradients=True)
@@ -154,6 +155,8 @@ def main() -> None:
     ap.add_argument("--device-states", default="auto",
                     help="offload_trainer: GiB of 8-bit states kept on the GPU, or auto (the planner: the input "
                          "embedding's when the cap leaves room) or off")
+    ap.add_argument("--eager-step", action="store_true",
+                    help="offload_trainer: step() queues every update (defer_updates=False), as before deferral")
     ap.add_argument("--unfused", action="store_true",
                     help="offload_trainer: torchao's compiled update instead of the fused kernel (fused=False)")
     ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
@@ -223,10 +226,11 @@ def main() -> None:
         if a.system in ("native", "native_clip"):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
             clip = 1.0 if a.system == "native_clip" else None
-        elif a.system == "native_8bit":
+        elif a.system in ("native_8bit", "native_8bit_clip"):
             from torchao.optim import AdamW8bit
 
             opt = AdamW8bit(model.parameters(), lr=1e-5)
+            clip = 1.0 if a.system == "native_8bit_clip" else None
         elif a.system == "torchao_cpu_offload":
             from torchao.optim import CPUOffloadOptimizer
 
@@ -261,12 +265,13 @@ def main() -> None:
                                     compile={"cpp_wrapper": True} if a.cpp_wrapper else None,
                                     grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30),
                                     launch_thread=a.launch_thread, fused=fused,
-                                    device_state_bytes=int(device_state_gib * 2**30))
+                                    device_state_bytes=int(device_state_gib * 2**30), defer_updates=not a.eager_step)
             row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk,
+                                defer_updates=opt.defer_updates,
                                 fused_update=opt._fused is not None, device_state_gib=round(device_state_gib, 3))
             opt.attach(model)
             if swap is not None:
-                opt.set_residency(swap.touch)
+                opt.set_residency(swap.touch, ahead=swap.prefetch)
             opt.sync_weights()
             clip = None if noclip else 1.0
         else:

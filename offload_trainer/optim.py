@@ -23,7 +23,10 @@ When the updates happen:
   `attach(model)` the next forward overlaps them, each layer waiting only for its own update: step() takes
   every update (gradient, learning rate, step count) but queues only the first layers', and each layer's forward
   queues the next ones (`LAUNCH_AHEAD`), so the CPU never blocks on full copy queues before that forward starts.
-  Reading weights outside a forward therefore needs `synchronize()` first (the Trainer does it).
+  Reading weights outside a forward therefore needs `synchronize()` first (the Trainer does it). With layer swap
+  (swap.py) the same holds: a swapped layer is updated in the GPU slot its forward is fetched into, no further
+  ahead than the swap engine prefetches (`set_residency(touch, ahead=...)`), so no layer is fetched only for its
+  update.
 
 Data parallel (`sharding=Sharding()`, distributed.py): each rank keeps and updates only the states of the
 tensors it owns; gradients are averaged onto their owner as they are ready, and the owner broadcasts the
@@ -199,6 +202,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     the H200 it removed the compute stream's waits for the CPU but left the step time within run-to-run noise (3B
     at 4 x 2048: 0.573 vs 0.580 s; the step is then bound by the GPU, where the updates share the SMs with
     backward; at 1 x 2048 backward's own launches, slowed by the shared GIL, bound it): not worth a second thread.
+    `defer_updates`: with `attach()` (not with data parallel), `step()` queues only the first units' updates and each
+    unit's forward queues the next (see above). False: `step()` queues every update and the compute stream waits for
+    them all (what a loop that reads weights right after `step()` without `synchronize()` needs; slower).
     `device_state_bytes`: GPU memory for 8-bit states kept on the device instead of streamed. The tensors whose
     states stay are the model's first (in model order once attached: the embeddings, then the first layers) that fit:
     backward reaches them last, so their copies could not overlap anything and would only lengthen the step (3B
@@ -227,6 +233,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         fused: bool | dict | None = None,
         seed: int | None = None,
         device_state_bytes: int = 0,
+        defer_updates: bool = True,
     ) -> None:
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}")
@@ -243,6 +250,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self.grad_backlog_bytes = grad_backlog_bytes
         self.launch_thread = launch_thread
         self.device_state_bytes = int(device_state_bytes)
+        self.defer_updates = defer_updates
+        self._launch_ahead = LAUNCH_AHEAD  # units past the running one whose deferred updates its hook queues
 
         self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not self._params:
@@ -450,10 +459,13 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if self._streams.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()
 
-    def set_residency(self, touch) -> None:
+    def set_residency(self, touch, ahead: int | None = None) -> None:
         """`touch(p, update_stream)`: a context manager around each update of `p`, which makes sure `p` is
-        on the device while the update is queued (the layer-swap engine's `LayerSwap.touch`)."""
+        on the device while the update is queued (the layer-swap engine's `LayerSwap.touch`). `ahead`: queue
+        deferred updates at most this many units past the running forward (`LayerSwap.prefetch`: a swapped layer is
+        then updated in the slot its forward was prefetched into, never fetched for its update alone)."""
         self._residency = touch
+        self._launch_ahead = LAUNCH_AHEAD if ahead is None else max(0, min(LAUNCH_AHEAD, ahead))
 
     def all_finite(self, t: Tensor) -> bool:
         """Whether `t` is finite on this rank and (data parallel) on every rank: a step is skipped everywhere or
@@ -961,7 +973,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             S.update.wait_event(grads_final)
             rank = self._launch_order()
             pending.sort(key=lambda p: rank.get(self._unit_of.get(p), len(rank)))
-            if waited and self._shard is None and self._residency is _always_resident:
+            if waited and self._shard is None and self.defer_updates:
                 # Taken now, queued as the next forward reaches each unit (`_launch_deferred`): queuing them all
                 # here would block the CPU once the copy streams' queues fill (8B: ~0.3 s per step), and the next
                 # forward could not start beside them.
@@ -1006,11 +1018,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         return {u: i for i, u in enumerate(order)}
 
     def _launch_deferred(self, unit: int | None = None) -> None:
-        """Queue step()'s taken updates through `unit` (in launch order) and `LAUNCH_AHEAD` units more; all of them
+        """Queue step()'s taken updates through `unit` (in launch order) and `_launch_ahead` units more; all of them
         when None. Called by each unit's forward pre-hook, and before anything else touches gradients or states."""
         if not self._deferred:
             return
-        limit = math.inf if unit is None else self._launch_rank.get(unit, math.inf) + LAUNCH_AHEAD
+        limit = math.inf if unit is None else self._launch_rank.get(unit, math.inf) + self._launch_ahead
         S = self._streams
         while self._deferred and self._deferred[0].rank <= limit:
             u = self._deferred.popleft()

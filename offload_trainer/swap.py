@@ -10,9 +10,11 @@ Slots are given back lazily (least recently used first), and weights are copied 
 Training needs gradient checkpointing: autograd must not keep a swapped layer's weights between forward
 and backward; with checkpointing each layer is recomputed in backward, which fetches it again.
 
-Full finetune: the streamed optimizer (`StreamedAdamW8bit.set_residency(swap.touch)`) updates a swapped
-layer where it is, in its GPU slot, while it is there for its backward; the layer is marked changed and
-copied back to the host when its slot is reused, before the next forward can fetch it. LoRA / QLoRA:
+Full finetune: the streamed optimizer (`StreamedAdamW8bit.set_residency(swap.touch, ahead=swap.prefetch)`)
+updates a swapped layer where it is, in its GPU slot: while it is there for its backward, or (exact clipping,
+where updates wait for the global norm) once its next forward has prefetched it; the layer is marked changed
+and copied back to the host when its slot is reused, before it is fetched again. Trained vectors (norms,
+biases) stay on the GPU. LoRA / QLoRA:
 only the frozen tensors are swapped (bf16, or bitsandbytes 4-bit with its quantization state); the
 trainable adapters stay on the GPU, so nothing is ever copied back.
 
@@ -161,10 +163,13 @@ class LayerSwap:
         if swap_trainable is None:
             nbytes = lambda refs: sum(r.get().numel() * r.get().element_size() for r in refs)  # noqa: E731
             swap_trainable = nbytes(frozen_refs) < nbytes(trainable_refs)
-        refs = frozen_refs + (trainable_refs if swap_trainable else [])
-        if not swap_trainable:
-            for r in trainable_refs:
-                r.set(r.get().data.to(self.device))
+        # Trained vectors (norms, biases: kilobytes) stay on the GPU even in a swapped layer: their updates draw
+        # random numbers (stochastic rounding of small tensors), so the optimizer queues them at step() itself,
+        # which must not fetch the layer then -- its update waits for the next forward's prefetch.
+        stay = [r for r in trainable_refs if not swap_trainable or r.get().dim() <= 1]
+        refs = frozen_refs + [r for r in trainable_refs if r not in stay]
+        for r in stay:
+            r.set(r.get().data.to(self.device))
         pin = self._streams.is_cuda
         host = []
         for r in refs:

@@ -446,7 +446,7 @@ class OffloadMixin:
             )
             self._offload_opt.attach(model)
             if self._swap is not None:
-                self._offload_opt.set_residency(self._swap.touch)
+                self._offload_opt.set_residency(self._swap.touch, ahead=self._swap.prefetch)
             self._offload_opt.sync_weights()  # data parallel: every rank starts from rank 0's weights
             self.optimizer = self._offload_opt
             mode = "after backward, clipped to max_grad_norm" if clip else "during backward (no clipping)"

@@ -92,7 +92,7 @@ def test_full_finetune_with_streamed_optimizer_matches_unswapped(device, clip):
     opt = StreamedAdamW8bit(model.parameters(), **kw)
     ref_opt.attach(ref)
     opt.attach(model)
-    opt.set_residency(swap.touch)
+    opt.set_residency(swap.touch, ahead=swap.prefetch)
     losses = {id(ref): [], id(model): []}
     for batch in batches:
         for m, o in ((ref, ref_opt), (model, opt)):
@@ -114,6 +114,51 @@ def test_full_finetune_with_streamed_optimizer_matches_unswapped(device, clip):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("defer", [True, False], ids=["deferred", "eager"])
+def test_exact_clipping_updates_swapped_layers_where_their_forward_fetches_them(device, defer):
+    """With clipping, step() leaves the updates of swapped layers to the next forward, whose prefetch brings each
+    layer into a slot anyway: no layer is fetched for its update alone (eager: each one backward left outside a slot
+    is, once more per step). Same losses and weights as the unswapped model either way, in bf16; on the GPU with
+    stochastic rounding (the small tensors' updates, queued by step() itself, find their weights on the GPU). On
+    CPU without it: there every update takes torchao's, which draws from the global RNG, so step() queues them all."""
+    ref, model, batches = setup(device, dtype=torch.bfloat16)
+    swap = install(model, device, resident=2, prefetch=1)
+    for i in swap.swapped_indices:  # trained vectors stay on the GPU; matrices live in the host copy
+        layer = model.model.layers[i]
+        assert layer.input_layernorm.weight.device.type == device
+        assert swap._layers[i].slot is not None or layer.mlp.up_proj.weight.device.type == "cpu"
+    kw = dict(lr=1e-2, offload_gradients=True, chunk_numel=4096, inflight_chunks=2, defer_updates=defer,
+              bf16_stochastic_round=device == "cuda")
+    ref_opt = StreamedAdamW8bit(ref.parameters(), **kw)
+    opt = StreamedAdamW8bit(model.parameters(), **kw)
+    ref_opt.attach(ref)
+    opt.attach(model)
+    opt.set_residency(swap.touch, ahead=swap.prefetch)
+    losses = {id(ref): [], id(model): []}
+    for step, batch in enumerate(batches[:4]):
+        for m, o in ((ref, ref_opt), (model, opt)):
+            torch.manual_seed(step)  # the same stochastic rounding for both models
+            loss = m(**batch).loss
+            loss.backward()
+            o.clip_grad_norm_(0.5)
+            o.step()
+            o.zero_grad()
+            losses[id(m)].append(loss.item())
+    reloads = swap.stats["reloads_for_update"]  # (before synchronize() queues the last step's remaining updates)
+    ref_opt.synchronize()
+    opt.synchronize()
+    swap.synchronize()
+    if defer:
+        assert reloads == 0
+    else:
+        assert reloads >= 4  # every step: here 3 slots for 4 swapped layers, so one is not in a slot after backward
+    assert losses[id(ref)] == losses[id(model)]
+    assert losses[id(ref)][-1] < losses[id(ref)][0]
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b.to(device)), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("clip", [False, True], ids=["update_in_backward", "exact_clip"])
 def test_accumulation_sums_swapped_gradients_on_the_host(device, clip):
     """3 micro-batches per step: the swapped model's gradients wait summed in pinned memory between them (none
@@ -125,7 +170,7 @@ def test_accumulation_sums_swapped_gradients_on_the_host(device, clip):
     opt = StreamedAdamW8bit(model.parameters(), offload_gradients=True, **kw)
     ref_opt.attach(ref)
     opt.attach(model)
-    opt.set_residency(swap.touch)
+    opt.set_residency(swap.touch, ahead=swap.prefetch)
     swapped = [p for i in swap.swapped_indices for p in model.model.layers[i].parameters() if opt._is_8bit(p)]
     losses = {id(ref): [], id(model): []}
     for step in range(2):
