@@ -297,6 +297,25 @@ def test_layer_swap_keeps_as_many_layers_as_fit():
     assert "swapped" in p.table()
 
 
+def test_exact_clipping_with_layer_swap_waits_for_swapped_layers_in_the_next_forward():
+    """With clipping a swapped layer is updated in the slot its next forward fetches it into: no extra fetch, but
+    that forward waits for each swapped layer's weights besides the states and gradients (8B at 12 GiB, 26 of 32
+    swapped: 1.685 s measured, 1.65 s predicted, run 20261130-s18b)."""
+    cfg = architecture_config("qwen2.5-14b")
+    kw = dict(batch=8, seq=2048, gpu_memory_limit_gb=None, max_grad_norm=1.0, activation_offload=True,
+              offload_gradients=True)
+    p, one_more = plan(cfg, layer_swap=17, **kw), plan(cfg, layer_swap=16, **kw)
+    layer_bytes = 2 * ModelShape.from_config(cfg).layer_params
+    states, grads = 2 * p.params * (1 + 4 / 256), 2 * p.params
+    acts = 48 * 8 * 2048 * 5120 * 2
+    # swapped layers: fetched for forward and for recompute + backward, copied back once (no fetch for the update);
+    # gradients out during backward and back for the update
+    assert p.pcie_gb_per_step == pytest.approx((2 * states + 2 * grads + 2 * acts + 3 * 31 * layer_bytes) / 1e9)
+    # one more swapped layer: the forward after backward waits for its 0.55 GB more at 51 GB/s
+    assert one_more.step_s - p.step_s == pytest.approx(layer_bytes / 51e9)
+    assert any("next forward waits for each swapped layer" in n for n in p.notes)
+
+
 def test_small_micro_batches_are_paced_by_the_cpu():
     """3B at 1 x 2048: 28 layers queued at 7.4 ms each + 276 chunk updates at 0.35 ms outlast the GPU's 0.215 s;
     the plan predicts the CPU's time and says why (at 4 x 2048 the GPU sets the pace)."""
