@@ -45,8 +45,9 @@ def main(paths: list[str]) -> None:
             last_clip[key] = r["tok_per_s"]
         base = last.get(key, native.get(key))
         bases.append(last_clip.get(key, base) if r["system"] == "offload_trainer" else base)
-    print("| run | commit | model | system | GPU cap | batch x seq | tok/s | vs native (clip: native_clip or native_8bit_clip) | step s | "
-          "peak reserved GiB | host peak GiB | pinned GiB | GPU idle ms (profiled step) | note |")
+    print("| run | commit | model | system | GPU cap | batch x seq | tok/s | "
+          "vs native (clip: native_clip or native_8bit_clip) | step s | peak reserved GiB | host peak GiB | "
+          "pinned GiB | GPU idle ms (profiled step) | note |")
     print("|" + " --- |" * 14)
     for r, base in zip(rows, bases):
         ratio = f"{r['tok_per_s'] / base:.3f}" if base and r["tok_per_s"] else "-"

@@ -447,9 +447,9 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                             "vary between machines (3B at 1 x 2048 on H200 machines: 0.32-0.54 s measured, 0.30 s "
                             "predicted). Larger micro-batches hide it".format(*e["cpu_bound"]))
                     if resident < L and clip and not lora_params:
-                        p.notes.append("with layers swapped and exact clipping, the next forward waits for each swapped "
-                                       "layer's weights, gradients and 8-bit states to cross PCIe; max_grad_norm: 0 "
-                                       "updates during backward instead")
+                        p.notes.append("with layers swapped and exact clipping, the next forward waits for each "
+                                       "swapped layer's weights, gradients and 8-bit states to cross PCIe; "
+                                       "max_grad_norm: 0 updates during backward instead")
                     return p
         if resident < L and any(t.gpu_peak_gib * GiB <= gpu_usable for t in tried):
             break  # fewer resident layers only need more host RAM

@@ -52,6 +52,7 @@ def test_make_table_pairs_clipping_rows_with_native_clip(tmp_path, capsys):
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows))
     make_table.main([str(path)])
-    ratios = [line.split(" | ")[7] for line in capsys.readouterr().out.splitlines() if line.startswith(("| r |", "| r2 |"))]
+    out = capsys.readouterr().out.splitlines()
+    ratios = [line.split(" | ")[7] for line in out if line.startswith(("| r |", "| r2 |"))]
     # clipping vs native_clip (or torchao's 8-bit AdamW on the GPU with clipping), the others vs native
     assert ratios == ["1.000", "0.900", "0.800", "0.750", "0.850", "1.000", "0.800", "0.750"]

@@ -42,6 +42,16 @@ def install(model, device, resident, prefetch):
     return LayerSwap(model.model.layers, device, resident=resident, prefetch=prefetch)
 
 
+def optimizers(ref, model, swap, model_kw=None, **kw):
+    """The same streamed optimizer for the unswapped reference and the swapped model (bound to the swap)."""
+    ref_opt = StreamedAdamW8bit(ref.parameters(), **kw)
+    opt = StreamedAdamW8bit(model.parameters(), **kw, **(model_kw or {}))
+    ref_opt.attach(ref)
+    opt.attach(model)
+    opt.set_residency(swap.touch, ahead=swap.prefetch)
+    return ref_opt, opt
+
+
 def watch_residency(model, swap):
     """Count, for every run of a swapped layer's MLP (forward, and recompute in backward), whether its weights
     were in a slot; on CPU the host copies hold the same values, so only this shows a missed fetch."""
@@ -86,13 +96,8 @@ def test_full_finetune_with_streamed_optimizer_matches_unswapped(device, clip):
     """Swapped layers are updated in their slots and copied back; the next fetch sees the new weights."""
     ref, model, batches = setup(device)
     swap = install(model, device, resident=2, prefetch=0)  # 2 slots for 4 swapped layers: evictions every pass
-    kw = dict(lr=1e-2, update_in_backward=not clip, offload_gradients=clip, chunk_numel=4096, inflight_chunks=2,
-              bf16_stochastic_round=False)
-    ref_opt = StreamedAdamW8bit(ref.parameters(), **kw)
-    opt = StreamedAdamW8bit(model.parameters(), **kw)
-    ref_opt.attach(ref)
-    opt.attach(model)
-    opt.set_residency(swap.touch, ahead=swap.prefetch)
+    ref_opt, opt = optimizers(ref, model, swap, lr=1e-2, update_in_backward=not clip, offload_gradients=clip,
+                              chunk_numel=4096, inflight_chunks=2, bf16_stochastic_round=False)
     losses = {id(ref): [], id(model): []}
     for batch in batches:
         for m, o in ((ref, ref_opt), (model, opt)):
@@ -127,13 +132,8 @@ def test_exact_clipping_updates_swapped_layers_where_their_forward_fetches_them(
         layer = model.model.layers[i]
         assert layer.input_layernorm.weight.device.type == device
         assert swap._layers[i].slot is not None or layer.mlp.up_proj.weight.device.type == "cpu"
-    kw = dict(lr=1e-2, offload_gradients=True, chunk_numel=4096, inflight_chunks=2, defer_updates=defer,
-              bf16_stochastic_round=device == "cuda")
-    ref_opt = StreamedAdamW8bit(ref.parameters(), **kw)
-    opt = StreamedAdamW8bit(model.parameters(), **kw)
-    ref_opt.attach(ref)
-    opt.attach(model)
-    opt.set_residency(swap.touch, ahead=swap.prefetch)
+    ref_opt, opt = optimizers(ref, model, swap, lr=1e-2, offload_gradients=True, chunk_numel=4096, inflight_chunks=2,
+                              defer_updates=defer, bf16_stochastic_round=device == "cuda")
     losses = {id(ref): [], id(model): []}
     for step, batch in enumerate(batches[:4]):
         for m, o in ((ref, ref_opt), (model, opt)):
@@ -165,12 +165,9 @@ def test_accumulation_sums_swapped_gradients_on_the_host(device, clip):
     left on the device), against the unswapped model accumulating on the device as autograd does."""
     ref, model, batches = setup(device)
     swap = install(model, device, resident=2, prefetch=1)
-    kw = dict(lr=1e-2, update_in_backward=not clip, chunk_numel=4096, inflight_chunks=2, bf16_stochastic_round=False)
-    ref_opt = StreamedAdamW8bit(ref.parameters(), **kw)
-    opt = StreamedAdamW8bit(model.parameters(), offload_gradients=True, **kw)
-    ref_opt.attach(ref)
-    opt.attach(model)
-    opt.set_residency(swap.touch, ahead=swap.prefetch)
+    ref_opt, opt = optimizers(ref, model, swap, model_kw=dict(offload_gradients=True), lr=1e-2,
+                              update_in_backward=not clip, chunk_numel=4096, inflight_chunks=2,
+                              bf16_stochastic_round=False)
     swapped = [p for i in swap.swapped_indices for p in model.model.layers[i].parameters() if opt._is_8bit(p)]
     losses = {id(ref): [], id(model): []}
     for step in range(2):
