@@ -31,11 +31,11 @@ def model_config_of(model_args):
 
 
 def make_plan(model_args, data_args, training_args, host_gb: float | None = None, gpus: int | None = None,
-              gpu_gb: float | None = None):
+              gpu_gb: float | None = None, model_config=None):
     from .planner import PlanError, host_memory_gib, plan_from_args
 
     try:
-        return plan_from_args(training_args, model_config_of(model_args), data_args.max_seq_length,
+        return plan_from_args(training_args, model_config or model_config_of(model_args), data_args.max_seq_length,
                               host_gb=host_gb or host_memory_gib(), gpu_gb=gpu_gb, model_args=model_args, ranks=gpus)
     except PlanError as e:
         raise ConfigError(f"{e}") from None
@@ -66,9 +66,11 @@ def train(config: str, overrides: list[str]) -> str:
     conflict = several_gpus_conflict(training_args)
     if conflict:  # before any weight is loaded
         raise ConfigError(conflict)
+    model_config = model_config_of(model_args)  # (read once: a checkpoint's config.json may be remote)
     if training_args.offload_optimizer or model_args.lora_r:
-        make_plan(model_args, data_args, training_args)  # refuses a plan that cannot fit, before any weights
-    if getattr(model_config_of(model_args), "vision_config", None) is not None:
+        # refuses a plan that cannot fit, before any weights
+        make_plan(model_args, data_args, training_args, model_config=model_config)
+    if getattr(model_config, "vision_config", None) is not None:
         raise ConfigError(f"{model_args.model_name_or_path or model_args.model_config} is a vision-language model: "
                           f"`offload-trainer plan` plans it, but `train` has no image data pipeline yet (text alone "
                           f"would skip its cross-attention layers). Train it from Python with LayerSwap and inputs "
@@ -82,7 +84,7 @@ def train(config: str, overrides: list[str]) -> str:
 
     set_seed(training_args.seed)
     tokenizer = load_tokenizer(model_args)
-    vocab = model_config_of(model_args).vocab_size
+    vocab = model_config.vocab_size
     train_ds, eval_ds = build_datasets(data_args, tokenizer, vocab_size=vocab, seed=training_args.seed)
     logger.info("data: %d training sequences of %d tokens%s", len(train_ds), data_args.max_seq_length,
                 f", {len(eval_ds)} held out" if eval_ds else "")

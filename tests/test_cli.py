@@ -33,3 +33,28 @@ def test_keys_lists_our_fields_with_help(capsys):
     out = capsys.readouterr().out
     assert "offload_optimizer\n    Keep AdamW states 8-bit" in out
     assert "learning_rate\n    (TrainingArguments)" in out
+
+
+def test_train_reads_the_model_config_once(tmp_path, monkeypatch):
+    """The plan before any weight and the vision check share one read of the model's config (config.json of a
+    checkpoint may be remote)."""
+    import offload_trainer.models as models
+
+    reads = []
+    read = cli.model_config_of
+    monkeypatch.setattr(cli, "model_config_of", lambda margs: reads.append(margs) or read(margs))
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*a, **k):
+        raise Loaded
+
+    monkeypatch.setattr(models, "load_model", load_model)
+    try:
+        cli.train(CONFIG, [f"output_dir={tmp_path / 'run'}"])
+    except Loaded:
+        pass
+    else:
+        raise AssertionError("train() went past loading the model")
+    assert len(reads) == 1
