@@ -434,7 +434,8 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                         tried[-1] = p = dataclasses.replace(p, device_state_gib=want / GiB, **_predicted(e2),
                                                             device_states_scope=scope)
                 if p.fits:
-                    if clip and og:
+                    swapped_clip = resident < L and clip and not lora_params
+                    if clip and og and not swapped_clip:
                         p.notes.append("exact clipping with offloaded gradients moves 4 bytes/param after backward; "
                                        "max_grad_norm: 0 updates during backward instead (faster, no clipping)")
                     if accum > 1 and og:
@@ -446,10 +447,11 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                             "longer than the GPU's work ({:.2f} s), so the CPU sets the pace -- and CPU-bound steps "
                             "vary between machines (3B at 1 x 2048 on H200 machines: 0.32-0.54 s measured, 0.30 s "
                             "predicted). Larger micro-batches hide it".format(*e["cpu_bound"]))
-                    if resident < L and clip and not lora_params:
-                        p.notes.append("with layers swapped and exact clipping, the next forward waits for each "
-                                       "swapped layer's weights, gradients and 8-bit states to cross PCIe; "
-                                       "max_grad_norm: 0 updates during backward instead")
+                    if swapped_clip:
+                        p.notes.append("with layers swapped and exact clipping, the forward after backward waits for "
+                                       "each layer's gradient and 8-bit states and each swapped layer's weights to "
+                                       "cross PCIe; max_grad_norm: 0 updates during backward instead (faster, no "
+                                       "clipping)")
                     return p
         if resident < L and any(t.gpu_peak_gib * GiB <= gpu_usable for t in tried):
             break  # fewer resident layers only need more host RAM
