@@ -936,10 +936,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def step(self, closure=None):
         """Update every tensor that still has a gradient (on the device or the host).
 
-        With `attach()`, returns without waiting: the updates are taken now and queued as the next forward reaches
-        each layer, which waits for its own; `synchronize()` queues and finishes them all (before reading weights
-        outside a forward). Without `attach()` (or when no layer's forward ran), they are all queued now and the
-        compute stream waits for them before continuing.
+        With `attach()` (and `defer_updates`), returns without waiting: the updates are taken now and queued as the
+        next forward reaches each layer, which waits for its own; `synchronize()` queues and finishes them all
+        (before reading weights outside a forward). With data parallel or `defer_updates=False` they are all queued
+        now, each layer's next forward waiting for its own. Without `attach()` (or when no layer's forward ran), they
+        are all queued now and the compute stream waits for them before continuing.
         """
         loss = None
         if closure is not None:

@@ -304,8 +304,8 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     elif clip:
         # the update waits for the global norm: after backward, states (and host gradients) cross PCIe -- and the
         # swapped layers, fetched for the forward that waits for their updates; only that forward (~1/4 of a
-        # micro-batch) overlaps them (measured with 26 of 32 8B layers swapped at 12 GiB: 1.685 s, 1.61 s by this)
-        post = (states + host_grads + (swapped * layer_bytes if not lora else 0)) / (machine.h2d_gb_s * 1e9)
+        # micro-batch) overlaps them (8B at 12 GiB, 26 of 32 layers swapped: 1.685 s measured, 1.649 s by this)
+        post = (states + host_grads + swapped * layer_bytes) / (machine.h2d_gb_s * 1e9)
         step = t_compute + max(0.0, post - t_micro / 4) + t_cpu
     else:
         step = t_micro * machine.backward_inflation + (accum - 1) * t_micro + t_cpu
