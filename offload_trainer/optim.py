@@ -203,8 +203,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     at 4 x 2048: 0.573 vs 0.580 s; the step is then bound by the GPU, where the updates share the SMs with
     backward; at 1 x 2048 backward's own launches, slowed by the shared GIL, bound it): not worth a second thread.
     `defer_updates`: with `attach()` (not with data parallel), `step()` queues only the first units' updates and each
-    unit's forward queues the next (see above). False: `step()` queues every update and the compute stream waits for
-    them all (what a loop that reads weights right after `step()` without `synchronize()` needs; slower).
+    unit's forward queues the next (see above). False: `step()` queues every update itself, as before this existed
+    (slower: its CPU blocks on full copy queues, and with layer swap it fetches layers for their updates alone); each
+    layer's forward still waits only for its own, so reading weights outside a forward still needs `synchronize()`.
     `device_state_bytes`: GPU memory for 8-bit states kept on the device instead of streamed. The tensors whose
     states stay are the model's first (in model order once attached: the embeddings, then the first layers) that fit:
     backward reaches them last, so their copies could not overlap anything and would only lengthen the step (3B
