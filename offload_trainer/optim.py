@@ -752,7 +752,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         return _Update(p, grad, grad_ready, step, args, self._plan.clip_coef if grad is None else None, hold)
 
     def _launch(self, u: _Update) -> None:
-        """Queue the copies and the update of a taken update, and mark its unit's next forward ready."""
+        """Queue the copies and the update of a taken update (`_publish` then marks its unit's next forward ready)."""
         with self._residency(u.p, self._streams.update):
             self._queue_update(u)
 
@@ -984,7 +984,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                     u.rank = rank[self._unit_of[p]]
                     if self._draws_random(u):  # queued now, so the global RNG is drawn at the same point as ever
                         self._launch(u)
-                        self._record_unit_done(p, S.update)
+                        self._publish(p)
                     else:
                         self._deferred.append(u)
                 self._launch_rank = rank
@@ -1025,11 +1025,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if not self._deferred:
             return
         limit = math.inf if unit is None else self._launch_rank.get(unit, math.inf) + self._launch_ahead
-        S = self._streams
         while self._deferred and self._deferred[0].rank <= limit:
             u = self._deferred.popleft()
             self._launch(u)
-            self._record_unit_done(u.p, S.update)
+            self._publish(u.p)  # (deferred only without data parallel: marks its unit, no broadcast)
         if not self._deferred:
             self._record_step_end()
 

@@ -149,6 +149,18 @@ class Plan:
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def _optimizer_row(self) -> str:
+        if self.device_states_scope == "all":
+            return (f"8-bit AdamW states on the GPU ({self.device_state_gib:.2f} GiB: the budget has room for all; "
+                    f"nothing streamed)")
+        row = "8-bit AdamW states in pinned CPU memory, streamed"
+        if not self.device_state_gib:
+            return row
+        whose = {"embedding": "the input embedding's",
+                 "first": "the model's first tensors': the input embedding's, then the first layers'"}.get(
+            self.device_states_scope, "the model's first tensors'")
+        return row + f"; {self.device_state_gib:.2f} GiB of them ({whose}) kept on the GPU"
+
     def _gradients_row(self) -> str:
         waits = [w for w, on in (("between micro-batches", self.accum > 1), ("until the norm is known", self.clip))
                  if on]
@@ -169,14 +181,7 @@ class Plan:
                                   f"AdamW states on the GPU; base weights frozen")]
         else:
             rows += [
-                ("optimizer", "8-bit AdamW states " + (
-                    f"on the GPU ({self.device_state_gib:.2f} GiB: the budget has room for all; nothing streamed)"
-                    if self.device_states_scope == "all" else "in pinned CPU memory, streamed" + (
-                        f"; {self.device_state_gib:.2f} GiB of them ("
-                        + {"embedding": "the input embedding's",
-                           "first": "the model's first tensors': the input embedding's, then the first layers'"}.get(
-                            self.device_states_scope, "the model's first tensors'") + ") kept on the GPU"
-                        if self.device_state_gib else ""))),
+                ("optimizer", self._optimizer_row()),
                 ("updates", "after backward, exact clipping" if self.clip else "during backward (no clipping)"),
                 ("gradients", self._gradients_row()),
             ]
