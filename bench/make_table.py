@@ -81,6 +81,8 @@ def main(paths: list[str]) -> None:
                     f"swapped, layer stall {e.get('layer_stall_ms', '-')} ms; ") + note
         if r["gpus"] > 1:
             note = f"{r['gpus']} GPUs, data parallel, per GPU {r['micro_batch']} x {r['seq_len']}; " + note
+        if e.get("pytorch_gib"):
+            note = f"PyTorch limited to {e['pytorch_gib']:g} GiB (a real {r['gpu_cap_gib']:g} GiB card); " + note
         if e.get("defer_updates") is False:
             note = "step() queues every update (--eager-step); " + note
         if r["system"].startswith("native_8bit"):

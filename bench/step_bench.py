@@ -128,6 +128,9 @@ def main() -> None:
     ap.add_argument("--bs", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--cap", type=float, default=0.0)
+    ap.add_argument("--pytorch-gib", type=float, default=None,
+                    help="with --cap: PyTorch's share of the emulated card (default: the whole cap). A real card of "
+                         "--cap GiB leaves PyTorch less, its CUDA context taking the rest (the planner assumes 0.7 GiB)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--loss-chunk", type=int, default=1024)
@@ -221,7 +224,9 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         if a.cap:
             total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            torch.cuda.set_per_process_memory_fraction(a.cap * 2**30 / total)
+            torch.cuda.set_per_process_memory_fraction((a.pytorch_gib or a.cap) * 2**30 / total)
+            if a.pytorch_gib:
+                row["extra"]["pytorch_gib"] = a.pytorch_gib
         clip = None
         if a.system in ("native", "native_clip"):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
