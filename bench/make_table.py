@@ -44,7 +44,8 @@ def main(paths: list[str]) -> None:
         if r["system"] in ("native_clip", "native_8bit_clip") and r["tok_per_s"]:
             last_clip[key] = r["tok_per_s"]
         base = last.get(key, native.get(key))
-        bases.append(last_clip.get(key, base) if r["system"] == "offload_trainer" else base)
+        clipped = r["system"] in ("offload_trainer", "offload_trainer_cli")
+        bases.append(last_clip.get(key, base) if clipped else base)
     print("| run | commit | model | system | GPU cap | batch x seq | tok/s | "
           "vs native (clip: native_clip or native_8bit_clip) | step s | peak reserved GiB | host peak GiB | "
           "pinned GiB | GPU idle ms (profiled step) | note |")
@@ -87,6 +88,9 @@ def main(paths: list[str]) -> None:
             note = "step() queues every update (--eager-step); " + note
         if r["system"].startswith("native_8bit"):
             note = "torchao AdamW8bit on the GPU (fp32 AdamW states do not fit 139 GiB); " + note
+        if r["system"].startswith("offload_trainer_cli"):
+            note = (f"`offload-trainer train {e['argv']}` (HF Trainer, allocator "
+                    f"{e.get('alloc_conf') or 'default'}); ") + note
         if r["system"].endswith("noclip"):
             note = note + "updates during backward, no clipping"
         elif "offload_gradients" in e:

@@ -130,7 +130,7 @@ def main() -> None:
     ap.add_argument("--cap", type=float, default=0.0)
     ap.add_argument("--pytorch-gib", type=float, default=None,
                     help="with --cap: PyTorch's share of the emulated card (default: the whole cap). A real card of "
-                         "--cap GiB leaves PyTorch less, its CUDA context taking the rest (the planner assumes 0.7 GiB)")
+                         "--cap GiB leaves PyTorch less, its CUDA context taking the rest (the planner assumes 0.7)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--loss-chunk", type=int, default=1024)

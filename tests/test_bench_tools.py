@@ -48,11 +48,40 @@ def test_make_table_pairs_clipping_rows_with_native_clip(tmp_path, capsys):
     rows = [row("native", 1000.0), row("offload_trainer_noclip", 900.0), row("native_clip", 800.0),
             row("offload_trainer", 600.0), row("offload_trainer_noclip", 850.0),
             dict(row("native_8bit", 500.0), run_id="r2"), dict(row("native_8bit_clip", 400.0), run_id="r2"),
-            dict(row("offload_trainer", 300.0), run_id="r2")]
+            dict(row("offload_trainer", 300.0), run_id="r2"),
+            dict(row("offload_trainer_cli", 700.0), extra={"argv": "c.yaml"}),
+            dict(row("offload_trainer_cli_noclip", 800.0), extra={"argv": "c.yaml max_grad_norm=0"})]
     path = tmp_path / "rows.json"
     path.write_text(json.dumps(rows))
     make_table.main([str(path)])
     out = capsys.readouterr().out.splitlines()
     ratios = [line.split(" | ")[7] for line in out if line.startswith(("| r |", "| r2 |"))]
     # clipping vs native_clip (or torchao's 8-bit AdamW on the GPU with clipping), the others vs native
-    assert ratios == ["1.000", "0.900", "0.800", "0.750", "0.850", "1.000", "0.800", "0.750"]
+    assert ratios == ["1.000", "0.900", "0.800", "0.750", "0.850", "1.000", "0.800", "0.750", "0.875", "0.800"]
+    cli_row = next(line for line in out if "| offload_trainer_cli_noclip |" in line)
+    assert "`offload-trainer train c.yaml max_grad_norm=0` (HF Trainer, allocator default)" in cli_row
+
+
+def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypatch, capsys):
+    import trainer_bench
+
+    out, rows = tmp_path / "out", tmp_path / "rows.jsonl"
+    monkeypatch.setattr(sys, "argv", ["trainer_bench.py", "configs/tiny-cpu.yaml", "max_steps=5", "logging_steps=1",
+                                      f"output_dir={out}", "save_steps=100", "eval_fraction=0", "--out", str(rows)])
+    trainer_bench.main()
+    row = json.loads(rows.read_text())
+    logs = [x for x in json.loads((out / "trainer_state.json").read_text())["log_history"] if "tok_per_s" in x]
+    assert [x["step"] for x in logs] == [1, 2, 3, 4, 5]
+    assert row["tok_per_s"] == round(sorted(x["tok_per_s"] for x in logs[2:])[1], 1)  # median of steps 3-5
+    assert row["step_s_median"] == round(1024 / row["tok_per_s"], 4) and row["error"] is None
+    assert row["system"] == "offload_trainer_cli" and row["extra"]["losses"] == [x["loss"] for x in logs]
+    assert row["host_peak_gib"] > 0
+
+
+def test_trainer_bench_refuses_logs_that_cover_several_steps():
+    import pytest
+    import trainer_bench
+
+    logs = [{"step": s, "loss": 1.0, "tok_per_s": 10.0} for s in (2, 4, 6)]
+    with pytest.raises(ValueError, match="logging_steps: 1"):
+        trainer_bench.row_from_logs(logs, skip=1, tokens_per_step=8)

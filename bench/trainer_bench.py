@@ -1,0 +1,92 @@
+"""The product path, timed: `offload-trainer train CONFIG [key=value ...]` in this process (CLI -> planner ->
+OffloadTrainer -> HF Trainer's loop), then one row in the format of ../shared/reference/RESULTS.md from its logs.
+
+    python bench/trainer_bench.py configs/llama3-8b-full-24gb.yaml max_steps=10 --out rows.jsonl
+
+step_bench.py times the mechanisms in a bare loop; this times what a user runs: the Trainer's data loader,
+logging (every step with `logging_steps: 1`) and the allocator as the user gets it (this script sets no
+PYTORCH_CUDA_ALLOC_CONF; run_all.sh does). tok/s and step time: the median of the per-step logs after the first
+`--skip` (each log covers `logging_steps` steps: use 1). Memory: the process's peaks (host: VmHWM, which includes
+building the model on the CPU before the Trainer moves it to the GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from step_bench import finish_row  # noqa: E402
+
+
+def row_from_logs(logs: list[dict], *, skip: int, tokens_per_step: int) -> dict:
+    """tok/s and step time from the Trainer's per-step training logs (those with a loss), after the first `skip`;
+    the last log's pinned bytes and the largest GPU stall."""
+    train = [x for x in logs if "loss" in x and "tok_per_s" in x]
+    steps = [x["step"] for x in train]
+    if any(b - a != 1 for a, b in zip(steps, steps[1:])):
+        raise ValueError(f"each log must cover one step (logging_steps: 1), logged at steps {steps}")
+    timed = train[skip:]
+    if not timed:
+        raise ValueError(f"{len(train)} training logs, none after the first {skip}: run more steps")
+    tok_s = statistics.median(x["tok_per_s"] for x in timed)
+    return dict(tok_per_s=round(tok_s, 1), step_s_median=round(tokens_per_step / tok_s, 4),
+                pinned_gib=timed[-1].get("host_pinned_gib"),
+                extra=dict(tok_per_s_logged=[x["tok_per_s"] for x in train],
+                           losses=[x["loss"] for x in train],
+                           gpu_stall_ms_max=max((x.get("gpu_stall_ms", 0.0) for x in timed), default=None),
+                           pcie_gb_per_s=statistics.median(x.get("pcie_gb_per_s", 0.0) for x in timed)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--skip", type=int, default=2, help="step logs left out of the median (compilation, warm-up)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
+    a = ap.parse_args()
+
+    from offload_trainer.cli import main as cli_main
+    from offload_trainer.config import load_config, parse_args
+
+    model_args, data_args, args = parse_args(load_config(a.config, a.overrides))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tokens = world * args.gradient_accumulation_steps * args.per_device_train_batch_size * data_args.max_seq_length
+    clip = args.max_grad_norm and args.max_grad_norm > 0
+    row = dict(run_id=a.run_id, commit=os.environ.get("COMMIT", "unknown"),
+               machine=f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, {os.cpu_count()} cores"
+               if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores",
+               model=model_args.model_config or model_args.model_name_or_path,
+               method="lora" if model_args.lora_r else "full",
+               system="offload_trainer_cli" + ("" if clip else "_noclip"), gpus=world,
+               gpu_cap_gib=args.gpu_memory_limit_gb, seq_len=data_args.max_seq_length,
+               micro_batch=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
+               tokens_per_step=tokens, tok_per_s=None, step_s_median=None, peak_alloc_gib=None,
+               peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None,
+               extra=dict(argv=" ".join([a.config, *a.overrides]),
+                          alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+    t0 = time.perf_counter()
+    try:
+        rc = cli_main(["train", a.config, *a.overrides])
+        if rc:
+            row["error"] = f"offload-trainer exited with {rc}"
+        else:
+            with open(os.path.join(args.output_dir, "trainer_state.json")) as f:
+                logs = json.load(f)["log_history"]
+            extra = row["extra"]
+            row.update(row_from_logs(logs, skip=a.skip, tokens_per_step=tokens))
+            row["extra"] = {**extra, **row["extra"]}
+    except torch.OutOfMemoryError as e:
+        row["error"] = "OOM: " + str(e).split("\n")[0][:160]
+    row["extra"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    finish_row(row, a.out)
+
+
+if __name__ == "__main__":
+    main()
