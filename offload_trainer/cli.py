@@ -79,7 +79,7 @@ def train(config: str, overrides: list[str]) -> str:
     from transformers import set_seed
 
     from .data import build_datasets
-    from .models import count_params, load_model, load_tokenizer
+    from .models import DTYPES, count_params, load_model, load_tokenizer, random_init_device
     from .trainer import OffloadTrainer
 
     set_seed(training_args.seed)
@@ -89,8 +89,13 @@ def train(config: str, overrides: list[str]) -> str:
     logger.info("data: %d training sequences of %d tokens%s", len(train_ds), data_args.max_seq_length,
                 f", {len(eval_ds)} held out" if eval_ds else "")
 
-    model = load_model(model_args, gradient_checkpointing=training_args.gradient_checkpointing,
-                       layerwise=str(training_args.layer_swap) != "off")
+    swap = str(training_args.layer_swap) != "off"
+    init_device = None  # a random-init model is built where it will train, when it fits there (not swapped)
+    if not (model_args.model_name_or_path or getattr(model_args, "load_in_4bit", False) or swap):
+        init_device = random_init_device(model_config, DTYPES[model_args.torch_dtype], training_args.device,
+                                         training_args.gpu_memory_limit_gb)
+    model = load_model(model_args, gradient_checkpointing=training_args.gradient_checkpointing, layerwise=swap,
+                       init_device=init_device)
     logger.info("model: %s, %.1fM parameters, %s", model_args.model_name_or_path or model_args.model_config,
                 count_params(model) / 1e6, model_args.torch_dtype)
     trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,

@@ -116,3 +116,35 @@ def test_pretrained_qlora_with_layer_swap_through_the_cli(tmp_path, capsys, monk
     state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+def test_random_init_goes_to_the_gpu_only_where_its_weights_fit(monkeypatch):
+    from offload_trainer.models import random_init_device
+
+    cfg = architecture_config("tiny-llama")  # 0.8M bf16 parameters: ~1.6 MB, + 1 GiB to spare
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    free = {"bytes": 2 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * 2**30))
+    assert random_init_device(cfg, torch.bfloat16, gpu) == gpu
+    assert random_init_device(cfg, torch.bfloat16, gpu, budget_gib=1.0) == cpu  # the budget leaves no spare GiB
+    free["bytes"] = 2**30  # less free memory than the weights + 1 GiB
+    assert random_init_device(cfg, torch.bfloat16, gpu, budget_gib=24) == cpu
+    assert random_init_device(cfg, torch.bfloat16, cpu) == cpu
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cli_builds_a_random_init_model_on_the_gpu(tmp_path, monkeypatch):
+    from offload_trainer import models
+
+    where, real = [], models.load_model
+
+    def load_model(*a, **k):
+        model = real(*a, **k)
+        where.append({p.device.type for p in model.parameters()})
+        return model
+
+    monkeypatch.setattr(models, "load_model", load_model)
+    assert cli.main(["train", "configs/tiny-cpu.yaml", "max_steps=2", f"output_dir={tmp_path}", "save_steps=100",
+                     "torch_dtype=bfloat16"]) == 0
+    assert where == [{"cuda"}]
