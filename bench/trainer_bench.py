@@ -39,6 +39,7 @@ def row_from_logs(logs: list[dict], *, skip: int, tokens_per_step: int) -> dict:
                 pinned_gib=timed[-1].get("host_pinned_gib"),
                 extra=dict(tok_per_s_logged=[x["tok_per_s"] for x in train],
                            losses=[x["loss"] for x in train],
+                           host_rss_logged_max_gib=max((x.get("host_rss_gib", 0.0) for x in train), default=None),
                            gpu_stall_ms_max=max((x.get("gpu_stall_ms", 0.0) for x in timed), default=None),
                            pcie_gb_per_s=statistics.median(x.get("pcie_gb_per_s", 0.0) for x in timed)))
 
@@ -85,6 +86,9 @@ def main() -> None:
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
     row["extra"]["wall_s"] = round(time.perf_counter() - t0, 1)
+    if torch.cuda.is_available():  # over the whole run: a retry frees cached blocks after a device-wide sync
+        stats = torch.cuda.memory_stats()
+        row["extra"]["allocator"] = {k: stats.get(k) for k in ("num_alloc_retries", "num_sync_all_streams", "num_ooms")}
     finish_row(row, a.out)
 
 
