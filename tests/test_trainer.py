@@ -275,3 +275,33 @@ def test_gpu_resume_without_a_cap_plans_for_the_card(tmp_path, max_grad_norm):
     got = losses_of(second)
     assert len(got) == len(want) == 40
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
+
+
+def test_saves_are_sharded_so_host_memory_holds_one_shard_and_resume_reads_them(tmp_path, monkeypatch):
+    """A checkpoint and the final model are written in shards of at most SAVE_MAX_SHARD_SIZE (safetensors copies a
+    whole shard to host memory first), and a resume from the sharded checkpoint continues exactly."""
+    from safetensors.torch import load_file
+
+    from offload_trainer import trainer as trainer_mod
+
+    model, tok, train = tiny_setup(seq=32)
+    monkeypatch.setattr(trainer_mod, "SAVE_MAX_SHARD_SIZE", 100_000)  # bytes: the tiny model needs several
+    t = OffloadTrainer(model=model, args=make_args(tmp_path / "run", max_steps=4, save_steps=2), train_dataset=train)
+    t.train()
+    t.save_model()
+    for where in (tmp_path / "run" / "checkpoint-2", tmp_path / "run"):
+        shards = [load_file(s) for s in sorted(where.glob("model-*.safetensors"))]
+        assert len(shards) > 1 and (where / "model.safetensors.index.json").exists()
+        for shard in shards:  # at most the limit, or one tensor that alone exceeds it
+            assert sum(v.numel() * v.element_size() for v in shard.values()) <= 100_000 or len(shard) == 1
+        saved = {k: v for shard in shards for k, v in shard.items()}
+        if where.name == "run":
+            for name, p in model.named_parameters():
+                torch.testing.assert_close(saved[name], p.detach(), rtol=0, atol=0)
+    assert "save_pretrained" not in model.__dict__  # the model's own method again after saving
+
+    model, _, _ = tiny_setup(seq=32, seed=123)
+    again = OffloadTrainer(model=model, args=make_args(tmp_path / "run", max_steps=4, save_steps=2),
+                           train_dataset=train)
+    again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    assert losses_of(again) == losses_of(t)
