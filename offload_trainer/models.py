@@ -278,7 +278,7 @@ def pretrained_4bit_layerwise(path: str, cfg=None, device: str = "cuda", park: s
         raise ValueError(f"{path}: {len(missing)} tensors of the model are not in the checkpoint (e.g. "
                          f"{', '.join(missing[:3])}): its names differ from this transformers version's. "
                          f"Set layer_swap: off to load it with from_pretrained.")
-    return model
+    return model.eval()  # as from_pretrained returns it (bitsandbytes picks its CPU kernels by the mode)
 
 
 def _module_name(model, module) -> str:
