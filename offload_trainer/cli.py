@@ -170,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     # several processes (torchrun): rank 0 tells the story
     logger.setLevel(logging.WARNING if int(os.environ.get("RANK", "0")) > 0 else logging.NOTSET)
     os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+    if args.command == "train" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        # Read at the first CUDA allocation. Measured through this command (8B, 24 GiB cap, H200): the same speed
+        # and 1.2 GiB less reserved than the default allocator (21.85 vs 23.06 GiB), room a 24 GiB card needs.
+        # (Not set under torchrun: data parallel over NCCL was measured with the default allocator only.)
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         if args.command == "keys":
             print_keys()

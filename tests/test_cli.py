@@ -6,7 +6,9 @@ from offload_trainer import cli
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny-cpu.yaml")
 
 
-def test_train_tiny_config_end_to_end(tmp_path):
+def test_train_tiny_config_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # (so that the test's own setting is undone after it)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     out = tmp_path / "run"
     rc = cli.main(["train", CONFIG, "max_steps=6", "save_steps=6", "logging_steps=3", f"output_dir={out}"])
     assert rc == 0
@@ -16,6 +18,7 @@ def test_train_tiny_config_end_to_end(tmp_path):
     losses = [h["loss"] for h in state["log_history"] if "loss" in h]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert (out / "model.safetensors").exists()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"  # (CUDA reads it at first use)
     # the plots of the run, read back: a real picture, and the series it drew is the logged one
     import matplotlib.image
 
@@ -58,3 +61,14 @@ def test_train_reads_the_model_config_once(tmp_path, monkeypatch):
     else:
         raise AssertionError("train() went past loading the model")
     assert len(reads) == 1
+
+
+def test_train_keeps_the_users_allocator_setting_and_sets_none_under_torchrun(tmp_path, monkeypatch):
+    missing = str(tmp_path / "missing.yaml")  # fails after the allocator setting, before anything is loaded
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
+    assert cli.main(["train", missing]) == 2
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native"
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli.main(["train", missing]) == 2
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
