@@ -53,7 +53,7 @@ def main(paths: list[str]) -> None:
     for r, base in zip(rows, bases):
         ratio = f"{r['tok_per_s'] / base:.3f}" if base and r["tok_per_s"] else "-"
         e = r.get("extra", {})
-        note = r["error"] or ""
+        note = r["error"] + "; " if r["error"] else ""
         if e.get("activation_offload"):
             note = "activation offload; " + note
         argv = e.get("argv", "").split()
