@@ -1,6 +1,9 @@
 import json
 import os
 
+import pytest
+import torch
+
 from offload_trainer import cli
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny-cpu.yaml")
@@ -72,3 +75,21 @@ def test_train_keeps_the_users_allocator_setting_and_sets_none_under_torchrun(tm
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert cli.main(["train", missing]) == 2
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_cli_builds_a_random_init_model_on_the_gpu(tmp_path, monkeypatch):
+    from offload_trainer import models
+
+    where, real = [], models.load_model
+
+    def load_model(*a, **k):
+        model = real(*a, **k)
+        where.append({p.device.type for p in model.parameters()})
+        return model
+
+    monkeypatch.setattr(models, "load_model", load_model)
+    assert cli.main(["train", CONFIG, "max_steps=2", f"output_dir={tmp_path}", "save_steps=100",
+                     "torch_dtype=bfloat16"]) == 0
+    assert where == [{"cuda"}]

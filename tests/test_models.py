@@ -131,20 +131,3 @@ def test_random_init_goes_to_the_gpu_only_where_its_weights_fit(monkeypatch):
     assert random_init_device(cfg, torch.bfloat16, gpu, budget_gib=24) == cpu
     assert random_init_device(cfg, torch.bfloat16, cpu) == cpu
 
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_cli_builds_a_random_init_model_on_the_gpu(tmp_path, monkeypatch):
-    from offload_trainer import models
-
-    where, real = [], models.load_model
-
-    def load_model(*a, **k):
-        model = real(*a, **k)
-        where.append({p.device.type for p in model.parameters()})
-        return model
-
-    monkeypatch.setattr(models, "load_model", load_model)
-    assert cli.main(["train", "configs/tiny-cpu.yaml", "max_steps=2", f"output_dir={tmp_path}", "save_steps=100",
-                     "torch_dtype=bfloat16"]) == 0
-    assert where == [{"cuda"}]
