@@ -44,7 +44,6 @@ def gpu_idle_ms(step_fn, trace: str | None = None, steps: int = 1) -> dict:
     `trace`: also write the step's events, compactly, to this gzipped JSON file (read by bench/trace_gaps.py).
     `steps` > 1: profile that many steps back to back, as `window` runs them (the loss read after each, one device
     sync at the end), so what one step overlaps with the next shows; figures are per step."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -56,6 +55,15 @@ def gpu_idle_ms(step_fn, trace: str | None = None, steps: int = 1) -> dict:
                 loss.item()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
+    return profile_summary(prof, wall, steps, trace)
+
+
+def profile_summary(prof, wall: float, steps: int = 1, trace: str | None = None) -> dict:
+    """What `gpu_idle_ms` reports, from a finished `torch.profiler.profile` of `steps` steps that took `wall` seconds
+    each: the compute stream's idle time (wall minus the union of its kernels), each stream's busy time, the top CPU
+    ops; `trace`: the events, written for bench/trace_gaps.py."""
+    from torch.autograd import DeviceType
+
     events = list(prof.profiler.kineto_results.events())
     by_stream: dict[int, list[tuple[int, int]]] = {}
     kernels: dict[int, int] = {}
@@ -87,7 +95,7 @@ def gpu_idle_ms(step_fn, trace: str | None = None, steps: int = 1) -> dict:
             "profiled_step_ms": round(wall * 1e3, 1),
             "compute_stream": main,
             "compute_stream_busy_ms": round(busy.get(main, 0.0), 1),
-            "gpu_idle_ms": round(wall * 1e3 - busy.get(main, 0.0), 1),
+            "gpu_idle_ms": round(wall * 1e3 - busy.get(main, 0.0), 1) if main is not None else None,
             "stream_busy_ms": {str(k): round(v, 1) for k, v in busy.items()}}
 
 

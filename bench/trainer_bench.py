@@ -21,7 +21,37 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import finish_row  # noqa: E402
+from step_bench import finish_row, profile_summary  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+
+class ProfileSteps(TrainerCallback):
+    """Profile `steps` optimizer steps of the Trainer's loop from step `first` on (CPU ops, and CUDA kernels and
+    copies where there is a GPU), as step_bench.py profiles its bare loop: `summary` holds the same figures
+    (compute-stream idle time, each stream's busy time, top CPU ops); `trace` is written for bench/trace_gaps.py."""
+
+    def __init__(self, first: int, steps: int, trace: str | None = None):
+        self.first, self.steps, self.trace = first, steps, trace
+        self.prof, self.summary, self._t0 = None, None, 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.first and self.prof is None:
+            from torch.profiler import ProfilerActivity, profile
+
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.synchronize()
+            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+            self.prof.__enter__()
+            self._t0 = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.prof is not None and self.summary is None and state.global_step == self.first + self.steps:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - self._t0) / self.steps
+            self.prof.__exit__(None, None, None)
+            self.summary = profile_summary(self.prof, wall, self.steps, self.trace)
 
 
 def row_from_logs(logs: list[dict], *, skip: int, tokens_per_step: int) -> dict:
@@ -49,6 +79,9 @@ def main() -> None:
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--skip", type=int, default=2, help="step logs left out of the median (compilation, warm-up)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="profile this many steps of the Trainer's loop after the --skip first (0: none)")
+    ap.add_argument("--trace", default=None, help="with --profile-steps: write the events here (gzipped JSON)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -70,8 +103,20 @@ def main() -> None:
                micro_batch=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
                tokens_per_step=tokens, tok_per_s=None, step_s_median=None, peak_alloc_gib=None,
                peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None,
-               extra=dict(argv=" ".join([a.config, *a.overrides]),
-                          alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+               extra=dict(argv=" ".join([a.config, *a.overrides])))
+    profiler = None
+    if a.profile_steps:
+        from offload_trainer import trainer as trainer_module
+
+        profiler = ProfileSteps(a.skip, a.profile_steps, a.trace)
+        plain = trainer_module.OffloadTrainer
+
+        class ProfiledTrainer(plain):  # what `offload-trainer train` builds, with the profiling callback added
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.add_callback(profiler)
+
+        trainer_module.OffloadTrainer = ProfiledTrainer
     t0 = time.perf_counter()
     try:
         rc = cli_main(["train", a.config, *a.overrides])
@@ -85,6 +130,12 @@ def main() -> None:
             row["extra"] = {**extra, **row["extra"]}
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
+    finally:
+        if profiler is not None:
+            trainer_module.OffloadTrainer = plain
+    row["extra"]["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # (the command sets one if unset)
+    if profiler is not None:  # (the profiled steps are among the timed ones: profiling slows them a little)
+        row["extra"]["profile"] = profiler.summary
     row["extra"]["wall_s"] = round(time.perf_counter() - t0, 1)
     if torch.cuda.is_available():  # over the whole run: a retry frees cached blocks after a device-wide sync
         stats = torch.cuda.memory_stats()

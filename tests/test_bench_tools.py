@@ -66,9 +66,16 @@ def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypat
     import trainer_bench
 
     out, rows = tmp_path / "out", tmp_path / "rows.jsonl"
+    trace = tmp_path / "trace.json.gz"
     monkeypatch.setattr(sys, "argv", ["trainer_bench.py", "configs/tiny-cpu.yaml", "max_steps=5", "logging_steps=1",
-                                      f"output_dir={out}", "save_steps=100", "eval_fraction=0", "--out", str(rows)])
+                                      f"output_dir={out}", "save_steps=100", "eval_fraction=0", "--out", str(rows),
+                                      "--profile-steps", "2", "--trace", str(trace)])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # (the command sets it; undone after the test)
+    from offload_trainer import trainer as trainer_module
+
+    plain = trainer_module.OffloadTrainer
     trainer_bench.main()
+    assert trainer_module.OffloadTrainer is plain
     row = json.loads(rows.read_text())
     logs = [x for x in json.loads((out / "trainer_state.json").read_text())["log_history"] if "tok_per_s" in x]
     assert [x["step"] for x in logs] == [1, 2, 3, 4, 5]
@@ -76,6 +83,10 @@ def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypat
     assert row["step_s_median"] == round(1024 / row["tok_per_s"], 4) and row["error"] is None
     assert row["system"] == "offload_trainer_cli" and row["extra"]["losses"] == [x["loss"] for x in logs]
     assert row["host_peak_gib"] > 0
+    # steps 3 and 4 profiled (CPU only here): the Trainer's own calls are among the top CPU ops, the trace written
+    prof = row["extra"]["profile"]
+    assert prof["profiled_steps"] == 2 and prof["profiled_step_ms"] > 0 and prof["gpu_idle_ms"] is None
+    assert any("aten::" in k for k in prof["top_self_cpu_ms"]) and trace.stat().st_size > 0
 
 
 def test_trainer_bench_refuses_logs_that_cover_several_steps():
