@@ -11,10 +11,14 @@ import os
 import sys
 import textwrap
 
-from .args import several_gpus_conflict
-from .config import ConfigError, load_config, parse_args, valid_fields
-from .data import DataError
-from .errors import CheckpointError, TrainingInterrupted, TrainingStopped
+# Before transformers (imported below) imports torchao: its C++/CUDA kernels (float8, mxfp8), which we do not use,
+# fail to load on a CPU-only torch and print a warning each; every benchmark ran with this set.
+os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
+
+from .args import several_gpus_conflict  # noqa: E402
+from .config import ConfigError, load_config, parse_args, valid_fields  # noqa: E402
+from .data import DataError  # noqa: E402
+from .errors import CheckpointError, TrainingInterrupted, TrainingStopped  # noqa: E402
 
 logger = logging.getLogger("offload_trainer")
 
@@ -169,7 +173,6 @@ def main(argv: list[str] | None = None) -> int:
                         force=True)  # bound to the current stderr, also when main() runs again in-process
     # several processes (torchrun): rank 0 tells the story
     logger.setLevel(logging.WARNING if int(os.environ.get("RANK", "0")) > 0 else logging.NOTSET)
-    os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
     if args.command == "train" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
         # Read at the first CUDA allocation. Measured through this command (8B, 24 GiB cap, H200): the same speed
         # and 1.2 GiB less reserved than the default allocator (21.85 vs 23.06 GiB), room a 24 GiB card needs.
