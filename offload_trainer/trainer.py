@@ -69,6 +69,8 @@ def smaller_shards(model, size: str | int):
         yield
     finally:
         del model.save_pretrained
+
+
 @functools.lru_cache(maxsize=None)
 def _own_default(name: str):
     return next(f.default for f in dataclasses.fields(OffloadTrainingArguments) if f.name == name)
