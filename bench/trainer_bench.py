@@ -5,9 +5,9 @@ OffloadTrainer -> HF Trainer's loop), then one row in the format of ../shared/re
 
 step_bench.py times the mechanisms in a bare loop; this times what a user runs: the Trainer's data loader,
 logging (every step with `logging_steps: 1`) and the allocator as the user gets it (this script sets no
-PYTORCH_CUDA_ALLOC_CONF; run_all.sh does). tok/s and step time: the median of the per-step logs after the first
-`--skip` (each log covers `logging_steps` steps: use 1). Memory: the process's peaks (host: VmHWM, which includes
-building the model on the CPU before the Trainer moves it to the GPU).
+PYTORCH_CUDA_ALLOC_CONF; the command sets expandable segments unless one is set, and the row records which).
+tok/s and step time: the median of the per-step logs after the first `--skip` (each log covers `logging_steps`
+steps: use 1). Memory: the process's peaks (host: VmHWM, which includes the saves at the end).
 """
 from __future__ import annotations
 

@@ -98,13 +98,11 @@ def random_init_device(config, dtype: torch.dtype, device: torch.device, budget_
     """Where to build a random-init model: on `device` (a GPU) when its weights fit there, within `budget_gib` and
     the free memory, with 1 GiB to spare -- seconds, where initializing an 8B model on the CPU took over 4 minutes
     (H200 machine, 16 cores) -- else on the CPU. The same seed gives other weights on the GPU than on the CPU."""
-    from transformers import AutoModelForCausalLM
+    from .planner import ModelShape
 
     if device.type != "cuda":
         return torch.device("cpu")
-    with torch.device("meta"):
-        shape_only = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    need = sum(p.numel() * p.element_size() for p in shape_only.parameters()) + 2**30
+    need = ModelShape.from_config(config).params * dtype.itemsize + 2**30
     free, _ = torch.cuda.mem_get_info(device)
     room = min(free, budget_gib * 2**30) if budget_gib else free
     return device if need <= room else torch.device("cpu")
