@@ -464,7 +464,6 @@ def argv_without_output() -> list[str]:
 def python_profile(step, top: int = 25) -> dict:
     """One step under cProfile: the functions with the most own CPU time ("file:line name": [calls, own, total ms])."""
     import cProfile
-    import pstats
 
     pr = cProfile.Profile()
     torch.cuda.synchronize()
@@ -472,8 +471,16 @@ def python_profile(step, top: int = 25) -> dict:
     step()
     torch.cuda.synchronize()
     pr.disable()
+    return cprofile_top(pr, top)
+
+
+def cprofile_top(pr, top: int = 25, by: str = "own") -> dict:
+    """A finished cProfile.Profile's functions with the most own (`by="own"`) or cumulative (`"total"`) CPU time:
+    {"file:line name": [calls, own ms, total ms]}."""
+    import pstats
+
     stats = pstats.Stats(pr).stats
-    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2 if by == "own" else 3], reverse=True)[:top]
     return {f"{os.path.basename(f)}:{line} {name}"[:80]: [calls, round(tt * 1e3, 1), round(ct * 1e3, 1)]
             for (f, line, name), (_, calls, tt, ct, _) in rows}
 

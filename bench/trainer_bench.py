@@ -21,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import finish_row, profile_summary  # noqa: E402
+from step_bench import cprofile_top, finish_row, profile_summary  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 
@@ -54,6 +54,28 @@ class ProfileSteps(TrainerCallback):
             self.summary = profile_summary(self.prof, wall, self.steps, self.trace)
 
 
+class CProfileStep(TrainerCallback):
+    """cProfile of the Trainer's loop from the beginning of step `at` to the beginning of the next (its data, forward,
+    backward, optimizer step, logs and callbacks), the device synchronized at both ends: `summary` holds the functions
+    with the most own and the most cumulative CPU time."""
+
+    def __init__(self, at: int, top: int = 25):
+        self.at, self.top, self.pr, self.summary = at, top, None, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if torch.cuda.is_available() and state.global_step in (self.at, self.at + 1):
+            torch.cuda.synchronize()
+        if state.global_step == self.at + 1 and self.pr is not None and self.summary is None:
+            self.pr.disable()
+            self.summary = {"own_ms": cprofile_top(self.pr, self.top, "own"),
+                            "total_ms": cprofile_top(self.pr, self.top, "total")}
+        elif state.global_step == self.at and self.pr is None:
+            import cProfile
+
+            self.pr = cProfile.Profile()
+            self.pr.enable()
+
+
 def row_from_logs(logs: list[dict], *, skip: int, tokens_per_step: int) -> dict:
     """tok/s and step time from the Trainer's per-step training logs (those with a loss), after the first `skip`;
     the last log's pinned bytes and the largest GPU stall."""
@@ -82,6 +104,8 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="profile this many steps of the Trainer's loop after the --skip first (0: none)")
     ap.add_argument("--trace", default=None, help="with --profile-steps: write the events here (gzipped JSON)")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="cProfile one step after the --skip first and the profiled ones: top Python functions")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -104,17 +128,19 @@ def main() -> None:
                tokens_per_step=tokens, tok_per_s=None, step_s_median=None, peak_alloc_gib=None,
                peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None,
                extra=dict(argv=" ".join([a.config, *a.overrides])))
-    profiler = None
-    if a.profile_steps:
+    profiler = ProfileSteps(a.skip, a.profile_steps, a.trace) if a.profile_steps else None
+    cprof = CProfileStep(a.skip + a.profile_steps) if a.cprofile else None
+    callbacks = [c for c in (profiler, cprof) if c is not None]
+    if callbacks:
         from offload_trainer import trainer as trainer_module
 
-        profiler = ProfileSteps(a.skip, a.profile_steps, a.trace)
         plain = trainer_module.OffloadTrainer
 
-        class ProfiledTrainer(plain):  # what `offload-trainer train` builds, with the profiling callback added
+        class ProfiledTrainer(plain):  # what `offload-trainer train` builds, with the profiling callbacks added
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
-                self.add_callback(profiler)
+                for c in callbacks:
+                    self.add_callback(c)
 
         trainer_module.OffloadTrainer = ProfiledTrainer
     t0 = time.perf_counter()
@@ -131,11 +157,13 @@ def main() -> None:
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
     finally:
-        if profiler is not None:
+        if callbacks:
             trainer_module.OffloadTrainer = plain
     row["extra"]["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # (the command sets one if unset)
     if profiler is not None:  # (the profiled steps are among the timed ones: profiling slows them a little)
         row["extra"]["profile"] = profiler.summary
+    if cprof is not None:
+        row["extra"]["cprofile_top_ms"] = cprof.summary
     row["extra"]["wall_s"] = round(time.perf_counter() - t0, 1)
     if torch.cuda.is_available():  # over the whole run: a retry frees cached blocks after a device-wide sync
         stats = torch.cuda.memory_stats()

@@ -67,9 +67,9 @@ def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypat
 
     out, rows = tmp_path / "out", tmp_path / "rows.jsonl"
     trace = tmp_path / "trace.json.gz"
-    monkeypatch.setattr(sys, "argv", ["trainer_bench.py", "configs/tiny-cpu.yaml", "max_steps=5", "logging_steps=1",
+    monkeypatch.setattr(sys, "argv", ["trainer_bench.py", "configs/tiny-cpu.yaml", "max_steps=6", "logging_steps=1",
                                       f"output_dir={out}", "save_steps=100", "eval_fraction=0", "--out", str(rows),
-                                      "--profile-steps", "2", "--trace", str(trace)])
+                                      "--profile-steps", "2", "--trace", str(trace), "--cprofile"])
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # (the command sets it; undone after the test)
     from offload_trainer import trainer as trainer_module
 
@@ -78,8 +78,9 @@ def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypat
     assert trainer_module.OffloadTrainer is plain
     row = json.loads(rows.read_text())
     logs = [x for x in json.loads((out / "trainer_state.json").read_text())["log_history"] if "tok_per_s" in x]
-    assert [x["step"] for x in logs] == [1, 2, 3, 4, 5]
-    assert row["tok_per_s"] == round(sorted(x["tok_per_s"] for x in logs[2:])[1], 1)  # median of steps 3-5
+    assert [x["step"] for x in logs] == [1, 2, 3, 4, 5, 6]
+    middle = sorted(x["tok_per_s"] for x in logs[2:])[1:3]
+    assert row["tok_per_s"] == round(sum(middle) / 2, 1)  # median of steps 3-6
     assert row["step_s_median"] == round(1024 / row["tok_per_s"], 4) and row["error"] is None
     assert row["system"] == "offload_trainer_cli" and row["extra"]["losses"] == [x["loss"] for x in logs]
     assert row["host_peak_gib"] > 0
@@ -87,6 +88,10 @@ def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypat
     prof = row["extra"]["profile"]
     assert prof["profiled_steps"] == 2 and prof["profiled_step_ms"] > 0 and prof["gpu_idle_ms"] is None
     assert any("aten::" in k for k in prof["top_self_cpu_ms"]) and trace.stat().st_size > 0
+    # step 5 under cProfile: the Trainer's training step is among the functions with the most cumulative time
+    top = row["extra"]["cprofile_top_ms"]
+    assert any(k.endswith(" training_step") for k in top["total_ms"]), list(top["total_ms"])
+    assert all(len(v) == 3 and v[2] >= v[1] >= 0 for v in top["own_ms"].values())
 
 
 def test_trainer_bench_refuses_logs_that_cover_several_steps():
