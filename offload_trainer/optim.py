@@ -183,6 +183,15 @@ class _StepPlan:
     clip_coef: Tensor | None = None
 
 
+def _host_hyperparameter(t: Tensor) -> Tensor:
+    """A hyperparameter tensor (lr) as the update wants it: on the host, float32. Each launch reads it as a Python
+    number, which for a GPU tensor is a device sync -- one per tensor update, serializing the CPU with the update
+    stream (8B through the Trainer: 0.75x native instead of 0.94x). accelerate's `prepare()` puts it there: it
+    round-trips the optimizer's state dict through the GPU."""
+    t = t.detach()
+    return t.to("cpu", torch.float32) if t.is_floating_point() else t.cpu()
+
+
 class StreamedAdamW8bit(torch.optim.Optimizer):
     """AdamW with 8-bit states in (pinned) CPU memory, updated on the weights' device.
 
@@ -745,6 +754,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         group, st = self._group_of[p], self.state[p]
         st["step"] += 1
         step = st["step"].clone()  # read when each kernel launches; never mutated afterwards
+        if isinstance(group["lr"], Tensor) and group["lr"].device.type != "cpu":  # (one sync, then kept there)
+            group["lr"] = _host_hyperparameter(group["lr"])
         lr = torch.as_tensor(group["lr"], dtype=torch.float32).clone()  # as step: fixed now (schedulers fill_() it)
         sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
         args = (lr, group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], sr)
@@ -1103,8 +1114,14 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                     dst.copy_(val)
         for g, s in zip(groups, saved):
             for key, val in s.items():
-                if key != "params":
-                    g[key] = val
+                if key == "params":
+                    continue
+                if isinstance(val, Tensor):  # kept on the host, in place (see _host_hyperparameter)
+                    val = _host_hyperparameter(val)
+                    if isinstance(g.get(key), Tensor) and g[key].shape == val.shape:
+                        g[key].copy_(val)
+                        continue
+                g[key] = val
 
     def memory_stats(self) -> dict[str, int]:
         if not self._allocated:

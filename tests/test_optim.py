@@ -367,6 +367,21 @@ def test_state_dict_is_torchao_layout_and_round_trips():
     assert opt.state[next(iter(opt._offset))]["exp_avg"].codes.data_ptr() == ptr
 
 
+def test_loaded_learning_rate_stays_a_host_float32_tensor_updated_in_place():
+    """A state dict whose lr is a tensor of another kind (accelerate's prepare() sends it through the GPU; here a
+    float64 stands in) loads into the existing host tensor: each update reads lr as a Python number, which for a
+    GPU tensor is a device sync per tensor update."""
+    _, _, ours, opt = make_pair("cpu")
+    lr = opt.param_groups[0]["lr"]
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = torch.tensor(0.25, dtype=torch.float64)
+    sd["param_groups"][0]["initial_lr"] = torch.tensor(0.5, dtype=torch.float64)  # a key the group lacked
+    opt.load_state_dict(sd)
+    group = opt.param_groups[0]
+    assert group["lr"] is lr and lr.dtype == torch.float32 and lr.device.type == "cpu" and lr.item() == 0.25
+    assert group["initial_lr"].dtype == torch.float32 and group["initial_lr"].item() == 0.5
+
+
 @pytest.mark.parametrize("mode", ["step_only_clip", "offload_grads_clip", "update_in_backward",
                                   "update_in_backward_offload_grads"])
 def test_states_kept_on_the_device_match_torchao(mode):
