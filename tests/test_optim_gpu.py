@@ -264,13 +264,13 @@ def test_a_step_prepared_by_accelerate_never_syncs_the_device(mode):
 
     step()
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    updates = opt.stats["updates"]
+    with warnings.catch_warnings():
+        # a synchronizing call raises where it is made (its traceback names the line)
+        warnings.filterwarnings("error", message=".*synchroniz")
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
-    assert not syncs, syncs[:3]
-    assert opt.stats["updates"] > 0 and bool(opt._place)
+    assert opt.stats["updates"] > updates and bool(opt._place)
