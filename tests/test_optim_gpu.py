@@ -266,11 +266,14 @@ def test_a_step_prepared_by_accelerate_never_syncs_the_device(mode):
     torch.cuda.synchronize()
     updates = opt.stats["updates"]
     with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (setting the mode warns that it is a prototype)
         # a synchronizing call raises where it is made (its traceback names the line)
-        warnings.filterwarnings("error", message=".*synchroniz")
+        warnings.filterwarnings("error", message="called a synchronizing")
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
+            with pytest.raises(UserWarning, match="called a synchronizing"):  # the detector works
+                torch.ones((), device="cuda").item()
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert opt.stats["updates"] > updates and bool(opt._place)
