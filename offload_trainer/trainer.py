@@ -164,7 +164,7 @@ class OffloadMixin:
         self._want_activations = self._resolved("activation_offload") and checkpointing_on(self.args)
         self._interrupted = None
         self._nonfinite.update(in_a_row=0, stopped=False)
-        with self._signals_stop_cleanly(), self._no_ddp_wrapper():
+        with self._signals_stop_cleanly(), self._no_ddp_wrapper(), self._optimizer_not_moved():
             result = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         if self._interrupted is not None:
             ckpt = newest_complete_checkpoint(self.args.output_dir)
@@ -215,6 +215,28 @@ class OffloadMixin:
                 os.environ.pop("ACCELERATE_BYPASS_DEVICE_MAP", None)
             else:
                 os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = bypass
+
+    @contextlib.contextmanager
+    def _optimizer_not_moved(self):
+        """accelerate's prepare() "places" an optimizer by sending its whole state dict to the GPU and loading it
+        back. The streamed optimizer's states are where they belong (pinned host memory, GPU only within its budget):
+        the round trip would copy them all to the GPU (16 GiB for 8B, on a second train()), and it brought the
+        learning rate back as a GPU tensor, a device sync at every update's launch (see optim._host_hyperparameter).
+        While train() runs, this Trainer's accelerator prepares the streamed optimizer without placement."""
+        acc = self.accelerator
+        prepare_optimizer = acc.prepare_optimizer
+
+        def in_place(optimizer, device_placement=None):
+            if isinstance(optimizer, StreamedAdamW8bit):
+                device_placement = False
+            return prepare_optimizer(optimizer, device_placement=device_placement)
+
+        acc.prepare_optimizer = in_place
+        try:
+            yield
+        finally:
+            if acc.__dict__.get("prepare_optimizer") is in_place:
+                del acc.prepare_optimizer  # back to the class's method
 
     # -------------------------------------------------------------- checkpoints
     def _resolve_resume(self, resume):

@@ -105,6 +105,21 @@ def test_resume_at_20_gives_identical_losses_to_40(tmp_path, max_grad_norm, extr
     assert state["global_step"] == 40
 
 
+def test_the_streamed_optimizer_is_prepared_without_placement(tmp_path):
+    """accelerate would send the optimizer's state dict through the GPU and back (all 8-bit states, and a GPU learning
+    rate that syncs every update): the Trainer prepares it with device_placement=False, on every train() call."""
+    model, tok, train = tiny_setup(seq=32)
+    trainer = OffloadTrainer(model=model, args=make_args(tmp_path, max_steps=2, save_steps=100), train_dataset=train)
+    trainer.train()
+    assert trainer.optimizer.optimizer is trainer._offload_opt and trainer.optimizer.device_placement is False
+    assert "prepare_optimizer" not in trainer.accelerator.__dict__  # the accelerator's own method again
+    # a second train() (the states now exist) prepares it the same way
+    trainer.args.max_steps = 4
+    trainer.train()
+    assert trainer.optimizer.optimizer is trainer._offload_opt and trainer.optimizer.device_placement is False
+    assert len(losses_of(trainer)) == 4
+
+
 def test_activation_offload_through_the_trainer(tmp_path):
     model, tok, train = tiny_setup()
     args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
