@@ -5,7 +5,8 @@ OffloadTrainer -> HF Trainer's loop), then one row in the format of ../shared/re
 
 step_bench.py times the mechanisms in a bare loop; this times what a user runs: the Trainer's data loader,
 logging (every step with `logging_steps: 1`) and the allocator as the user gets it (this script sets no
-PYTORCH_CUDA_ALLOC_CONF; the command sets expandable segments unless one is set, and the row records which).
+PYTORCH_CUDA_ALLOC_CONF; the command sets expandable segments, in the running allocator too, unless one is set, and
+the row records which).
 tok/s and step time: the median of the per-step logs after the first `--skip` (each log covers `logging_steps`
 steps: use 1). Memory: the process's peaks (host: VmHWM, which includes the saves at the end).
 """

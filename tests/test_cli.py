@@ -66,15 +66,25 @@ def test_train_reads_the_model_config_once(tmp_path, monkeypatch):
     assert len(reads) == 1
 
 
-def test_train_keeps_the_users_allocator_setting_and_sets_none_under_torchrun(tmp_path, monkeypatch):
+def test_train_sets_expandable_segments_in_the_running_allocator_unless_the_user_chose(tmp_path, monkeypatch):
+    """torch may have read PYTORCH_CUDA_ALLOC_CONF before main() runs: the running allocator is told too. A user's
+    setting is kept; under torchrun none is made."""
     missing = str(tmp_path / "missing.yaml")  # fails after the allocator setting, before anything is loaded
+    told = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", told.append, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # (undone after the test)
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    assert cli.main(["train", missing]) == 2
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert told == ["expandable_segments:True"]
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "backend:native")
     assert cli.main(["train", missing]) == 2
-    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native" and len(told) == 1
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert cli.main(["train", missing]) == 2
-    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and len(told) == 1
 
 
 @pytest.mark.gpu
