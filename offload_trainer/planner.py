@@ -137,7 +137,8 @@ class Plan:
     layers: int = 0
     gpu_peak_gib: float = 0.0  # predicted torch.cuda.max_memory_reserved
     gpu_allocated_gib: float = 0.0
-    host_peak_gib: float = 0.0  # RSS incl. pinned
+    host_peak_gib: float = 0.0  # RSS incl. pinned (and a save's shard)
+    save_shard_gib: float = 0.0  # host memory a checkpoint's save adds (one safetensors shard)
     pinned_gib: float = 0.0
     pcie_gb_per_step: float = 0.0
     step_s: float = 0.0
@@ -193,6 +194,7 @@ class Plan:
             ("GPU peak (reserved)", f"{self.gpu_peak_gib:.1f} GiB"
              + (f" of {self.gpu_budget_gib:g} GiB" if self.gpu_budget_gib else "")),
             ("host peak (RSS + pinned)", f"{self.host_peak_gib:.1f} GiB"
+             + (f" (with a save's {self.save_shard_gib:.1f} GiB shard)" if self.save_shard_gib else "")
              + (f" of {self.host_budget_gib:.1f} GiB" if self.host_budget_gib else "")),
             ("PCIe per step", f"{self.pcie_gb_per_step:.1f} GB"),
             ("step time", f"{self.step_s:.2f} s ({self.ranks * self.accum * self.batch * self.seq / self.step_s:,.0f} "
@@ -210,7 +212,7 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
               activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
               resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
               block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1, fused_update: bool = True,
-              device_states: float = 0) -> dict:
+              device_states: float = 0, save_shard: int = 0) -> dict:
     """Memory of one micro-batch of `batch` x `seq` tokens; traffic and time of one optimizer step of `accum`
     micro-batches. Data parallel over `ranks` processes (`node_ranks` of them on this host): each holds 1/ranks of
     the states; GPU figures are per process, host figures per node. `device_states`: bytes of 8-bit states kept on
@@ -279,7 +281,7 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     host_grads = 2 * params / ranks - device_grads if offload_gradients and not lora else 0
     host_acts = L * ckpt_per_layer if activation_offload else 0
     pinned = node_ranks * (states + host_grads + host_acts + swapped * layer_bytes)
-    host = node_ranks * machine.host_base_gib * GiB + pinned
+    host = node_ranks * machine.host_base_gib * GiB + pinned + save_shard  # (one process saves)
 
     # a swapped layer is fetched twice per micro-batch (forward, recompute + backward) and, changed, copied back
     # once per step (with clipping it is updated in the slot its next forward fetches it into)
@@ -365,7 +367,8 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
          chunk_numel: int = 2**25, inflight: int = 4, activation_offload: bool | None = None,
          offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
          lora_params: int = 0, weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
-         fused_update: bool = True, device_states: str | float = 0, machine: Machine = Machine()) -> Plan:
+         fused_update: bool = True, device_states: str | float = 0, save_shard_bytes: int = 0,
+         machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
 
     `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
@@ -376,6 +379,8 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     `lora_params` > 0: LoRA with that many adapter parameters on a frozen base
     of `weight_bits` (16, or 4 for bitsandbytes NF4); the adapters and their optimizer stay on the GPU.
     `fused_update`: the optimizer's Triton update (its default on CUDA); False: torchao's compiled update.
+    `save_shard_bytes`: host memory a checkpoint's save adds (safetensors holds one shard in host memory while it
+    writes it; `plan_from_args` counts one `SAVE_SHARD_BYTES` shard, or the whole weights when smaller).
     `device_states`: GiB of 8-bit states kept on the GPU (`StreamedAdamW8bit(device_state_bytes=)`), or "auto" (with a
     GPU budget): the input embedding's, when the plan chosen without them leaves room for them (and their gradient,
     when gradients would wait on the host) within the GPU budget less `DEVICE_STATE_MARGIN_GIB`; then the next
@@ -402,7 +407,8 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     estimate = functools.partial(_estimate, shape, n, clip=clip, loss_chunk=loss_chunk, chunk_numel=chunk_numel,
                                  inflight=inflight, machine=machine, lora=lora_params, weight_bits=weight_bits,
                                  accum=accum, ranks=ranks, node_ranks=ranks if node_ranks is None else node_ranks,
-                                 fused_update=fused_update, device_states=fixed_states)
+                                 fused_update=fused_update, device_states=fixed_states,
+                                 save_shard=save_shard_bytes)
     tried = []
     # Every layer resident first (no swap traffic); then as many resident layers as fit.
     if layer_swap is False:
@@ -419,7 +425,8 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                 p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, lora_params=lora_params,
                          activation_offload=act, accum=accum, ranks=ranks,
                          gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
-                         resident_layers=resident, layers=L, device_state_gib=fixed_states / GiB, **_predicted(e))
+                         resident_layers=resident, layers=L, device_state_gib=fixed_states / GiB,
+                         save_shard_gib=save_shard_bytes / GiB, **_predicted(e))
                 p.fits = e["reserved"] <= gpu_usable and e["host"] <= host_usable
                 tried.append(p)
                 if p.fits and auto_states and gpu_memory_limit_gb and not (lora_params or act or resident < L) \
@@ -544,6 +551,12 @@ def _most_tokens(fits, tokens: int, step: int = 256) -> int:
     return max(lo, lo_r * step)
 
 
+# The Trainer's saves are split into shards of this size (transformers 5 defaults to 50 GB: an 8B model in one shard,
+# which safetensors copies whole to host memory -- 15 GiB more at every checkpoint). Measured with 2 GB shards (8B,
+# run 20261201-s20c): the final save raised the host peak by 1.9 GiB over training's, one shard.
+SAVE_SHARD_BYTES = 2 * 10**9
+
+
 def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_gb: float | None = None,
                    model_args=None, lora_params: int | None = None, weight_bits: int | None = None,
                    ranks: int | None = None) -> Plan:
@@ -551,7 +564,8 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
     `gpu_gb`: the GPU budget when `gpu_memory_limit_gb` is unset (e.g. the card's free memory).
     `model_args`: its `lora_r`, `lora_target_modules` and `load_in_4bit` select LoRA / QLoRA.
     `ranks`: data parallel processes on this node (default: the launcher's, from `args.world_size` and
-    LOCAL_WORLD_SIZE; one process sees one GPU)."""
+    LOCAL_WORLD_SIZE; one process sees one GPU). The host peak includes a save's shard (`SAVE_SHARD_BYTES`, or the
+    trained weights when smaller: LoRA checkpoints hold the adapters)."""
     gpu = getattr(args, "gpu_memory_limit_gb", None) or gpu_gb
     r = getattr(model_args, "lora_r", 0) or 0
     lora = ModelShape.from_config(config).lora_params(r, getattr(model_args, "lora_target_modules", "all-linear")) \
@@ -563,6 +577,7 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
         node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     else:
         node_ranks = ranks
+    saved = 2 * (lora or ModelShape.from_config(config).params)  # bf16 weights (LoRA: the adapters)
     return plan(config, batch=args.per_device_train_batch_size, seq=seq, gpu_memory_limit_gb=gpu,
                 host_memory_gb=host_gb, max_grad_norm=args.max_grad_norm or 0.0,
                 loss_chunk=getattr(args, "loss_chunk_size", 1024),
@@ -576,7 +591,7 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
                 bool(getattr(args, "offload_gradients", False)),
                 layer_swap=layer_swap_setting(getattr(args, "layer_swap", "off")), lora_params=lora, weight_bits=bits,
                 accum=max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1)), ranks=ranks or 1,
-                node_ranks=node_ranks)
+                node_ranks=node_ranks, save_shard_bytes=min(SAVE_SHARD_BYTES, saved))
 
 
 def device_state_setting(value) -> str | float:

@@ -35,7 +35,7 @@ from .distributed import Sharding
 from .errors import CheckpointError, TrainingInterrupted, TrainingStopped
 from .loss import chunked_causal_lm_loss
 from .optim import StreamedAdamW8bit
-from .planner import Machine, Plan, PlanError, device_state_setting, plan_from_args
+from .planner import SAVE_SHARD_BYTES, Machine, Plan, PlanError, device_state_setting, plan_from_args
 from .swap import LayerSwap
 from .sysinfo import gpu_budget_gib, rss_gib, trim_host_memory
 
@@ -45,7 +45,7 @@ logger = logging.getLogger("offload_trainer")
 # memory before writing it, and transformers 5's default (50GB) makes an 8B model one shard: each save then took
 # 15 GiB of host memory beside the pinned optimizer states (measured on the H200: host peak 30.8 GiB against 15.9
 # during training; 46.7 against 32.3 with exact clipping) -- more than a 32 GB machine has.
-SAVE_MAX_SHARD_SIZE = "2GB"
+SAVE_MAX_SHARD_SIZE = SAVE_SHARD_BYTES  # (the planner counts one in the host peak)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,27 @@ def test_8b_streams_exactly_its_states_over_pcie():
     assert not p.activation_offload and not p.offload_gradients
 
 
+def test_the_host_peak_of_a_trainer_plan_counts_a_save_shard():
+    """Through the Trainer the host peak includes a save: safetensors holds one shard (2 GB) in host memory while
+    writing it. Run 20261201-s20c, `offload-trainer train configs/llama3-8b-full-24gb.yaml` at f0cf39d: 15.80 GiB
+    logged during training, 17.65 GiB peak with the final save. LoRA saves its adapters: the shard is theirs."""
+    from offload_trainer.planner import SAVE_SHARD_BYTES, plan_from_args
+
+    cfg = architecture_config("llama3-8b")
+    args = types.SimpleNamespace(per_device_train_batch_size=4, max_grad_norm=0.0, gpu_memory_limit_gb=24,
+                                 offload_device_states="auto")
+    bare = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0, device_states="auto",
+                activation_offload=None, offload_gradients=None)
+    p = plan_from_args(args, cfg, 2048)
+    assert p.save_shard_gib == SAVE_SHARD_BYTES / GiB == pytest.approx(1.86, abs=0.01)
+    assert p.host_peak_gib == pytest.approx(bare.host_peak_gib + SAVE_SHARD_BYTES / GiB)
+    assert p.host_peak_gib == pytest.approx(17.65, rel=0.05)  # measured, save included
+    assert p.gpu_peak_gib == bare.gpu_peak_gib and p.pinned_gib == bare.pinned_gib
+    assert "with a save's 1.9 GiB shard" in p.table()
+    lora = plan_from_args(args, cfg, 2048, lora_params=1_000_000)
+    assert lora.save_shard_gib == pytest.approx(2_000_000 / GiB)
+
+
 def test_auto_device_states_keep_the_embedding_when_the_budget_has_room():
     """'auto': the input embedding's 8-bit states stay on the GPU when the plan leaves room for them within the
     budget less a margin: off the host and PCIe, onto the GPU peak."""
