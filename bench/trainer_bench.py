@@ -132,18 +132,19 @@ def main() -> None:
     profiler = ProfileSteps(a.skip, a.profile_steps, a.trace) if a.profile_steps else None
     cprof = CProfileStep(a.skip + a.profile_steps) if a.cprofile else None
     callbacks = [c for c in (profiler, cprof) if c is not None]
-    if callbacks:
-        from offload_trainer import trainer as trainer_module
+    from offload_trainer import trainer as trainer_module
 
-        plain = trainer_module.OffloadTrainer
+    plain = trainer_module.OffloadTrainer
+    built = []
 
-        class ProfiledTrainer(plain):  # what `offload-trainer train` builds, with the profiling callbacks added
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
-                for c in callbacks:
-                    self.add_callback(c)
+    class BenchTrainer(plain):  # what `offload-trainer train` builds, kept (for its plan), with the profilers added
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+            for c in callbacks:
+                self.add_callback(c)
 
-        trainer_module.OffloadTrainer = ProfiledTrainer
+    trainer_module.OffloadTrainer = BenchTrainer
     t0 = time.perf_counter()
     try:
         rc = cli_main(["train", a.config, *a.overrides])
@@ -158,8 +159,11 @@ def main() -> None:
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
     finally:
-        if callbacks:
-            trainer_module.OffloadTrainer = plain
+        trainer_module.OffloadTrainer = plain
+    plan = built[0]._plan if built else None
+    if plan is not None:  # the Trainer's own plan (its host peak counts a save's shard): make_table compares
+        row["predicted"] = dict(gpu_peak_gib=round(plan.gpu_peak_gib, 2), host_peak_gib=round(plan.host_peak_gib, 2),
+                                step_s=round(plan.step_s, 3), fits=True)
     row["extra"]["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # (the command sets one if unset)
     if profiler is not None:  # (the profiled steps are among the timed ones: profiling slows them a little)
         row["extra"]["profile"] = profiler.summary
