@@ -106,10 +106,11 @@ def test_thin_wide_accumulation_on_the_host(mode):
 def test_thin_wide_without_syncs_diverges(monkeypatch, mode):
     """Negative control for the test above: with every stream wait_event removed, it must fail. Whether a read
     overtakes its copy is a race; with the fused update (0.2 ms per 25M values) one 10-step run stayed exact in 1
-    of 3 on the H200, so up to three runs are made and one must diverge."""
+    of 3 on the H200, and once (run 20261201-s20c, launch thread) three in a row did: up to six runs are made and
+    one must diverge."""
     kw, max_norm = MODES[mode]
     errs = []
-    for seed in (2, 3, 4):
+    for seed in range(2, 8):
         ref, ref_opt, ours, opt = pair(THIN_WIDE, torch.float32, lr=THIN_LR, chunk_numel=1 << 22, **dict(kw))
         start = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
         run(ref, ref_opt, steps=10, accum=1, max_norm=max_norm, seed=seed, streamed=False, device="cuda")
