@@ -565,7 +565,8 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
     `model_args`: its `lora_r`, `lora_target_modules` and `load_in_4bit` select LoRA / QLoRA.
     `ranks`: data parallel processes on this node (default: the launcher's, from `args.world_size` and
     LOCAL_WORLD_SIZE; one process sees one GPU). The host peak includes a save's shard (`SAVE_SHARD_BYTES`, or the
-    trained weights when smaller: LoRA checkpoints hold the adapters)."""
+    bf16 weights when smaller; with LoRA too: checkpoints hold the adapters, but `offload-trainer train` also writes
+    the merged model)."""
     gpu = getattr(args, "gpu_memory_limit_gb", None) or gpu_gb
     r = getattr(model_args, "lora_r", 0) or 0
     lora = ModelShape.from_config(config).lora_params(r, getattr(model_args, "lora_target_modules", "all-linear")) \
@@ -577,7 +578,7 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
         node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     else:
         node_ranks = ranks
-    saved = 2 * (lora or ModelShape.from_config(config).params)  # bf16 weights (LoRA: the adapters)
+    saved = 2 * ModelShape.from_config(config).params  # bf16 weights (LoRA too: the command saves a merged model)
     return plan(config, batch=args.per_device_train_batch_size, seq=seq, gpu_memory_limit_gb=gpu,
                 host_memory_gb=host_gb, max_grad_norm=args.max_grad_norm or 0.0,
                 loss_chunk=getattr(args, "loss_chunk_size", 1024),

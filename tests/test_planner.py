@@ -35,7 +35,8 @@ def test_8b_streams_exactly_its_states_over_pcie():
 def test_the_host_peak_of_a_trainer_plan_counts_a_save_shard():
     """Through the Trainer the host peak includes a save: safetensors holds one shard (2 GB) in host memory while
     writing it. Run 20261201-s20c, `offload-trainer train configs/llama3-8b-full-24gb.yaml` at f0cf39d: 15.80 GiB
-    logged during training, 17.65 GiB peak with the final save. LoRA saves its adapters: the shard is theirs."""
+    logged during training, 17.65 GiB peak with the final save. With LoRA the command also saves a merged model: a
+    full shard as well; a tiny model's shard is its whole weights."""
     from offload_trainer.planner import SAVE_SHARD_BYTES, plan_from_args
 
     cfg = architecture_config("llama3-8b")
@@ -50,7 +51,10 @@ def test_the_host_peak_of_a_trainer_plan_counts_a_save_shard():
     assert p.gpu_peak_gib == bare.gpu_peak_gib and p.pinned_gib == bare.pinned_gib
     assert "with a save's 1.9 GiB shard" in p.table()
     lora = plan_from_args(args, cfg, 2048, lora_params=1_000_000)
-    assert lora.save_shard_gib == pytest.approx(2_000_000 / GiB)
+    assert lora.save_shard_gib == SAVE_SHARD_BYTES / GiB
+    tiny = architecture_config("tiny-llama")
+    small = plan_from_args(args, tiny, 128)
+    assert small.save_shard_gib == pytest.approx(2 * ModelShape.from_config(tiny).params / GiB)
 
 
 def test_auto_device_states_keep_the_embedding_when_the_budget_has_room():
