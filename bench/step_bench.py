@@ -196,7 +196,7 @@ def main() -> None:
     cfg.use_cache = False
     torch.manual_seed(0)
     row = dict(run_id=a.run_id, commit=os.environ.get("COMMIT", "unknown"),
-               machine=f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, {os.cpu_count()} cores",
+               machine=machine(),
                model=a.model, method="full", system=a.system, gpus=world, gpu_cap_gib=a.cap or None, seq_len=a.seq,
                micro_batch=a.bs, grad_accum=a.accum, tokens_per_step=world * a.accum * a.bs * a.seq, tok_per_s=None,
                step_s_median=None,
@@ -267,8 +267,7 @@ def main() -> None:
                          layer_swap=int(row["extra"]["resident_layers"]) if swap else False, accum=a.accum,
                          fused_update=fused is not False and update_kernel.available(torch.device("cuda")),
                          device_states=states)
-                row["predicted"] = dict(gpu_peak_gib=round(p.gpu_peak_gib, 2), host_peak_gib=round(p.host_peak_gib, 2),
-                                        step_s=round(p.step_s, 3), fits=True)
+                row["predicted"] = predicted(p)
                 device_state_gib = p.device_state_gib
             except PlanError as e:
                 row["predicted"] = dict(fits=False, reason=str(e)[:300])
@@ -448,6 +447,19 @@ def timed(step) -> tuple[float, float, float]:
     queued = time.perf_counter() - t
     torch.cuda.synchronize()
     return time.perf_counter() - t, round(loss.item(), 4), queued
+
+
+def machine() -> str:
+    """The row's `machine`: the GPU and how many, and the CPU cores."""
+    if not torch.cuda.is_available():
+        return f"CPU, {os.cpu_count()} cores"
+    return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, {os.cpu_count()} cores"
+
+
+def predicted(p) -> dict:
+    """The row's `predicted`: a plan's GPU peak, host peak and step time (make_table compares them with the row's)."""
+    return dict(gpu_peak_gib=round(p.gpu_peak_gib, 2), host_peak_gib=round(p.host_peak_gib, 2),
+                step_s=round(p.step_s, 3), fits=True)
 
 
 def argv_without_output() -> list[str]:

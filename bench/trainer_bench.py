@@ -22,7 +22,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import cprofile_top, finish_row, profile_summary  # noqa: E402
+from step_bench import cprofile_top, finish_row, machine, predicted, profile_summary  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 
@@ -119,8 +119,7 @@ def main() -> None:
     tokens = world * args.gradient_accumulation_steps * args.per_device_train_batch_size * data_args.max_seq_length
     clip = args.max_grad_norm and args.max_grad_norm > 0
     row = dict(run_id=a.run_id, commit=os.environ.get("COMMIT", "unknown"),
-               machine=f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, {os.cpu_count()} cores"
-               if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores",
+               machine=machine(),
                model=model_args.model_config or model_args.model_name_or_path,
                method="lora" if model_args.lora_r else "full",
                system="offload_trainer_cli" + ("" if clip else "_noclip"), gpus=world,
@@ -161,9 +160,8 @@ def main() -> None:
     finally:
         trainer_module.OffloadTrainer = plain
     plan = built[0]._plan if built else None
-    if plan is not None:  # the Trainer's own plan (its host peak counts a save's shard): make_table compares
-        row["predicted"] = dict(gpu_peak_gib=round(plan.gpu_peak_gib, 2), host_peak_gib=round(plan.host_peak_gib, 2),
-                                step_s=round(plan.step_s, 3), fits=True)
+    if plan is not None:  # the Trainer's own plan (its host peak counts a save's shard)
+        row["predicted"] = predicted(plan)
     row["extra"]["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # (the command sets one if unset)
     if profiler is not None:  # (the profiled steps are among the timed ones: profiling slows them a little)
         row["extra"]["profile"] = profiler.summary

@@ -98,7 +98,6 @@ def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypat
 
 
 def test_trainer_bench_refuses_logs_that_cover_several_steps():
-    import pytest
     import trainer_bench
 
     logs = [{"step": s, "loss": 1.0, "tok_per_s": 10.0} for s in (2, 4, 6)]
