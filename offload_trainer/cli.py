@@ -84,7 +84,8 @@ def train(config: str, overrides: list[str]) -> str:
 
     from .data import build_datasets
     from .models import DTYPES, count_params, load_model, load_tokenizer, random_init_device
-    from .trainer import SAVE_MAX_SHARD_SIZE, OffloadTrainer
+    from .planner import SAVE_SHARD_BYTES
+    from .trainer import OffloadTrainer
 
     set_seed(training_args.seed)
     tokenizer = load_tokenizer(model_args)
@@ -113,7 +114,7 @@ def train(config: str, overrides: list[str]) -> str:
     out = training_args.output_dir
     if model_args.lora_r:  # adapters are in out/; a merged model that plain transformers loads goes to out/merged
         merged = os.path.join(out, "merged")
-        trainer.model.merge_and_unload().save_pretrained(merged, max_shard_size=SAVE_MAX_SHARD_SIZE)
+        trainer.model.merge_and_unload().save_pretrained(merged, max_shard_size=SAVE_SHARD_BYTES)
         tokenizer.save_pretrained(merged)
     write_plots(out)
     logger.info("saved to %s", out)

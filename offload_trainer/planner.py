@@ -551,9 +551,11 @@ def _most_tokens(fits, tokens: int, step: int = 256) -> int:
     return max(lo, lo_r * step)
 
 
-# The Trainer's saves are split into shards of this size (transformers 5 defaults to 50 GB: an 8B model in one shard,
-# which safetensors copies whole to host memory -- 15 GiB more at every checkpoint). Measured with 2 GB shards (8B,
-# run 20261201-s20c): the final save raised the host peak by 1.9 GiB over training's, one shard.
+# The Trainer's saves (and the command's merged LoRA model) are split into shards of at most this size. safetensors
+# copies every tensor of a shard to host memory before writing it, and transformers 5's default (50GB) makes an 8B
+# model one shard: each save then took 15 GiB of host memory beside the pinned optimizer states (H200, run
+# 20261201-s19d: host peak 30.8 GiB against 15.9 during training; 46.7 against 32.3 with exact clipping) -- more than
+# a 32 GB machine has. With 2 GB shards (run -s20c) the final save raised the host peak by 1.9 GiB, one shard.
 SAVE_SHARD_BYTES = 2 * 10**9
 
 

@@ -41,11 +41,16 @@ from .sysinfo import gpu_budget_gib, rss_gib, trim_host_memory
 
 logger = logging.getLogger("offload_trainer")
 
-# Saved models are split into shards of at most this size. safetensors copies every tensor of a shard to host
-# memory before writing it, and transformers 5's default (50GB) makes an 8B model one shard: each save then took
-# 15 GiB of host memory beside the pinned optimizer states (measured on the H200: host peak 30.8 GiB against 15.9
-# during training; 46.7 against 32.3 with exact clipping) -- more than a 32 GB machine has.
-SAVE_MAX_SHARD_SIZE = SAVE_SHARD_BYTES  # (the planner counts one in the host peak)
+
+@contextlib.contextmanager
+def _overridden(obj, name: str, fn):
+    """Within: `obj.<name>` is `fn` (an attribute of the instance, over its class's method); after, the class's
+    method again. For the seams transformers and accelerate do not offer."""
+    setattr(obj, name, fn)
+    try:
+        yield
+    finally:
+        delattr(obj, name)
 
 
 @contextlib.contextmanager
@@ -64,11 +69,8 @@ def smaller_shards(model, size: str | int):
         kwargs.setdefault("max_shard_size", size)
         return save(model, *args, **kwargs)
 
-    model.save_pretrained = save_pretrained
-    try:
+    with _overridden(model, "save_pretrained", save_pretrained):
         yield
-    finally:
-        del model.save_pretrained
 
 
 @functools.lru_cache(maxsize=None)
@@ -204,13 +206,12 @@ class OffloadMixin:
         def without_ddp(model, device_placement=None, evaluation_mode=False):
             return prepare_model(model, device_placement=device_placement, evaluation_mode=True)
 
-        acc.prepare_model = without_ddp
         if self._swap is not None:  # swapped layers are a multi-device map, which accelerate refuses when distributed
             os.environ["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
         try:
-            yield
+            with _overridden(acc, "prepare_model", without_ddp):
+                yield
         finally:
-            del acc.prepare_model  # back to the class's method
             if bypass is None:
                 os.environ.pop("ACCELERATE_BYPASS_DEVICE_MAP", None)
             else:
@@ -231,12 +232,8 @@ class OffloadMixin:
                 device_placement = False
             return prepare_optimizer(optimizer, device_placement=device_placement)
 
-        acc.prepare_optimizer = in_place
-        try:
+        with _overridden(acc, "prepare_optimizer", in_place):
             yield
-        finally:
-            if acc.__dict__.get("prepare_optimizer") is in_place:
-                del acc.prepare_optimizer  # back to the class's method
 
     # -------------------------------------------------------------- checkpoints
     def _resolve_resume(self, resume):
@@ -579,7 +576,7 @@ class OffloadMixin:
 
     def save_model(self, output_dir=None, _internal_call=False):
         self._synchronize()
-        with warnings.catch_warnings(), smaller_shards(self.accelerator.unwrap_model(self.model), SAVE_MAX_SHARD_SIZE):
+        with warnings.catch_warnings(), smaller_shards(self.accelerator.unwrap_model(self.model), SAVE_SHARD_BYTES):
             # swapped layers are in host memory, not on disk: nothing to warn about
             warnings.filterwarnings("ignore", message="Attempting to save a model with offloaded modules")
             return super().save_model(output_dir, _internal_call)

@@ -293,14 +293,14 @@ def test_gpu_resume_without_a_cap_plans_for_the_card(tmp_path, max_grad_norm):
 
 
 def test_saves_are_sharded_so_host_memory_holds_one_shard_and_resume_reads_them(tmp_path, monkeypatch):
-    """A checkpoint and the final model are written in shards of at most SAVE_MAX_SHARD_SIZE (safetensors copies a
+    """A checkpoint and the final model are written in shards of at most SAVE_SHARD_BYTES (safetensors copies a
     whole shard to host memory first), and a resume from the sharded checkpoint continues exactly."""
     from safetensors.torch import load_file
 
     from offload_trainer import trainer as trainer_mod
 
     model, tok, train = tiny_setup(seq=32)
-    monkeypatch.setattr(trainer_mod, "SAVE_MAX_SHARD_SIZE", 100_000)  # bytes: the tiny model needs several
+    monkeypatch.setattr(trainer_mod, "SAVE_SHARD_BYTES", 100_000)  # bytes: the tiny model needs several
     t = OffloadTrainer(model=model, args=make_args(tmp_path / "run", max_steps=4, save_steps=2), train_dataset=train)
     t.train()
     t.save_model()
