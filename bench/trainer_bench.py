@@ -7,8 +7,9 @@ step_bench.py times the mechanisms in a bare loop; this times what a user runs: 
 logging (every step with `logging_steps: 1`) and the allocator as the user gets it (this script sets no
 PYTORCH_CUDA_ALLOC_CONF; the command sets expandable segments, in the running allocator too, unless one is set, and
 the row records which).
-tok/s and step time: the median of the per-step logs after the first `--skip` (each log covers `logging_steps`
-steps: use 1). Memory: the process's peaks (host: VmHWM, which includes the saves at the end).
+tok/s and step time: the median of the logs after the first `--skip` (each log's tok/s covers the `logging_steps`
+steps since the previous log; with 1, per-step figures). Memory: the process's peaks (host: VmHWM, which includes
+the saves at the end).
 """
 from __future__ import annotations
 
@@ -78,19 +79,21 @@ class CProfileStep(TrainerCallback):
 
 
 def row_from_logs(logs: list[dict], *, skip: int, tokens_per_step: int) -> dict:
-    """tok/s and step time from the Trainer's per-step training logs (those with a loss), after the first `skip`;
-    the last log's pinned bytes and the largest GPU stall."""
+    """tok/s and step time from the Trainer's training logs (those with a loss), after the first `skip` logs: each
+    log's tok/s covers the steps since the previous one, so the logs must come at one interval (`logging_steps`; 1
+    gives per-step figures); the last log's pinned bytes and the largest GPU stall."""
     train = [x for x in logs if "loss" in x and "tok_per_s" in x]
     steps = [x["step"] for x in train]
-    if any(b - a != 1 for a, b in zip(steps, steps[1:])):
-        raise ValueError(f"each log must cover one step (logging_steps: 1), logged at steps {steps}")
+    every = {b - a for a, b in zip(steps, steps[1:])}
+    if len(every) > 1 or (train and steps[0] not in every | {1}):
+        raise ValueError(f"the logs must come at one interval (logging_steps), logged at steps {steps}")
     timed = train[skip:]
     if not timed:
         raise ValueError(f"{len(train)} training logs, none after the first {skip}: run more steps")
     tok_s = statistics.median(x["tok_per_s"] for x in timed)
     return dict(tok_per_s=round(tok_s, 1), step_s_median=round(tokens_per_step / tok_s, 4),
                 pinned_gib=timed[-1].get("host_pinned_gib"),
-                extra=dict(tok_per_s_logged=[x["tok_per_s"] for x in train],
+                extra=dict(steps_per_log=steps[0], tok_per_s_logged=[x["tok_per_s"] for x in train],
                            losses=[x["loss"] for x in train],
                            host_rss_logged_max_gib=max((x.get("host_rss_gib", 0.0) for x in train), default=None),
                            gpu_stall_ms_max=max((x.get("gpu_stall_ms", 0.0) for x in timed), default=None),

@@ -97,9 +97,13 @@ def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypat
     assert all(len(v) == 3 and v[2] >= v[1] >= 0 for v in top["own_ms"].values())
 
 
-def test_trainer_bench_refuses_logs_that_cover_several_steps():
+def test_trainer_bench_takes_logs_at_one_interval_only():
     import trainer_bench
 
-    logs = [{"step": s, "loss": 1.0, "tok_per_s": 10.0} for s in (2, 4, 6)]
-    with pytest.raises(ValueError, match="logging_steps: 1"):
-        trainer_bench.row_from_logs(logs, skip=1, tokens_per_step=8)
+    logs = [{"step": s, "loss": 1.0, "tok_per_s": t} for s, t in ((2, 1.0), (4, 10.0), (6, 20.0), (8, 30.0))]
+    row = trainer_bench.row_from_logs(logs, skip=1, tokens_per_step=8)  # each log's tok/s covers its two steps
+    assert row["tok_per_s"] == 20.0 and row["step_s_median"] == 0.4 and row["extra"]["steps_per_log"] == 2
+    for steps in ((1, 2, 4), (2, 3, 4)):
+        logs = [{"step": s, "loss": 1.0, "tok_per_s": 10.0} for s in steps]
+        with pytest.raises(ValueError, match="one interval"):
+            trainer_bench.row_from_logs(logs, skip=1, tokens_per_step=8)

@@ -28,6 +28,27 @@ def test_script_written_for_trainer_runs_unchanged(tmp_path):
     assert logged["tok_per_s"] > 0 and logged["grad_norm"] > 0
 
 
+def test_logs_trim_host_memory_at_most_once_in_ten_steps(tmp_path, monkeypatch):
+    """Every training log has host RSS; glibc's free pages go back (a ~5 ms trim) at the first log and then at most
+    once in TRIM_EVERY_STEPS steps, also when a second train() starts."""
+    import offload_trainer.trainer as trainer_mod
+
+    trims = []
+    monkeypatch.setattr(trainer_mod, "trim_host_memory", lambda: trims.append(None))
+    model, tok, train = tiny_setup()
+    args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=23, per_device_train_batch_size=2,
+                                    logging_steps=1, save_strategy="no", report_to="none")
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 23 and all(h["host_rss_gib"] > 0 for h in logs)
+    assert len(trims) == 3  # steps 1, 11, 21
+    assert trainer_mod.TRIM_EVERY_STEPS == 10
+    trainer.args.max_steps = 25
+    trainer.train(resume_from_checkpoint=None)  # a new train(): its first log trims again
+    assert len(trims) == 6
+
+
 def test_offload_off_is_the_plain_trainer(tmp_path):
     model, tok, train = tiny_setup()
     args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=2, offload_optimizer=False,
