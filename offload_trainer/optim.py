@@ -907,13 +907,15 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if self._shard is not None:
             S.compute().wait_stream(S.reduced)  # gradients reduced onto their owners, and their norms
         norms = {}
+        roots = {}
         if self._plan.sumsq:  # summed by the fused updates (update stream)
             S.compute().wait_stream(S.update)
+            roots = self._roots_of_sums()
         for p in self._norm_order:
             if p in self._plan.norms:
                 norms[p] = self._plan.norms[p]
-            elif p in self._plan.sumsq:  # in the gradient's dtype, as the norm kernel gives it
-                norms[p] = self._plan.sumsq[p].sqrt().to(p.dtype)
+            elif p in roots:
+                norms[p] = roots[p]
             elif p.grad is not None:
                 norms[p] = _grad_norm(p.grad)
         on_device = [p for p in norms if p.grad is not None]  # clip_grads_with_norm_ takes parameters
@@ -932,6 +934,21 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             self._plan.clip_coef = coef.to(self.device)
             S.keep_alive(self._plan.clip_coef, S.update)  # read by the updates, freed with this step's plan
         return total
+
+    def _roots_of_sums(self) -> dict:
+        """Each tensor's gradient norm from the squared norm its fused update summed, in the gradient's dtype as the
+        norm kernel gives it: sqrt then cast, for all of them at once (two small kernels per tensor cost ~2 ms of
+        launches at every step's end, the GPU waiting)."""
+        sums = [p for p in self._norm_order if p in self._plan.sumsq and p not in self._plan.norms]
+        if not sums:
+            return {}
+        roots = torch.stack([self._plan.sumsq[p] for p in sums]).sqrt()
+        out = {}
+        for dtype in dict.fromkeys(p.dtype for p in sums):
+            idx = [i for i, p in enumerate(sums) if p.dtype == dtype]
+            cast = (roots if len(idx) == len(sums) else roots[idx]).to(dtype)
+            out.update(zip((sums[i] for i in idx), cast.unbind()))
+        return out
 
     def _gather_norms(self, own: dict) -> dict:
         """Every rank gets every reduced tensor's norm (each owner measured its own), in model order, so the

@@ -583,3 +583,19 @@ def test_every_state_on_the_device_streams_nothing(mode):
     assert losses == ref_losses and rel_l2(ref, ours) == 0.0
     assert not opt._offset and opt._on_device and not opt._slots
     assert opt.memory_stats()["host_state_bytes"] == 0 and opt.stats["h2d_bytes"] == opt.stats["d2h_bytes"] == 0
+
+
+def test_norms_from_the_fused_updates_sums_are_each_tensors_sqrt_in_its_dtype():
+    """clip_grad_norm_ takes the norms the fused updates summed (CUDA) as sqrt then a cast to each gradient's dtype,
+    for all tensors at once: the same bits as one sqrt and cast per tensor, for tensors of several dtypes."""
+    params = [torch.nn.Parameter(torch.zeros(4, dtype=dt)) for dt in (torch.bfloat16, torch.float32, torch.bfloat16,
+                                                                        torch.float16)]
+    opt = StreamedAdamW8bit(params, lr=LR)
+    g = torch.Generator().manual_seed(0)
+    sums = {p: torch.rand((), generator=g) * 10 ** float(i) for i, p in enumerate(params[:3])}
+    opt._plan.sumsq.update(sums)
+    opt._plan.norms[params[3]] = torch.ones((), dtype=torch.float16)  # measured by a norm kernel: not taken
+    roots = opt._roots_of_sums()
+    assert {id(p) for p in roots} == {id(p) for p in params[:3]}
+    for p, s in sums.items():
+        assert roots[p].dtype == p.dtype and torch.equal(roots[p], s.sqrt().to(p.dtype))

@@ -238,6 +238,42 @@ def test_nonfinite_step_is_skipped_with_weights_and_states_unchanged(tmp_path, m
     assert trainer.state.log_history[-2]["nonfinite_skipped"] == 1
 
 
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
+def test_loss_filter_on_the_device_logs_what_the_trainers_own_does(tmp_path, monkeypatch, max_grad_norm):
+    """On a GPU the Trainer's logging_nan_inf_filter (a host read of every loss) is replaced by the same arithmetic on
+    the device; forced on here: the logged losses, a NaN step among them, are those of the Trainer's own filter."""
+    import offload_trainer.trainer as trainer_mod
+
+    def run(on_device: bool):
+        monkeypatch.setattr(trainer_mod.OffloadMixin, "_filters_loss_on_device", lambda self: on_device)
+        model, _, train = tiny_setup(seq=32)
+        calls = {"n": 0}
+
+        def poison(module, args, out):  # the 4th training forward's final norm output becomes NaN
+            if module.training:
+                calls["n"] += 1
+                if calls["n"] == 4:
+                    return out * float("nan")
+            return out
+
+        model.model.norm.register_forward_hook(poison)
+        args = make_args(tmp_path / str(on_device), max_steps=7, gradient_accumulation_steps=1, logging_steps=2,
+                         max_grad_norm=max_grad_norm, save_strategy="no")
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
+        seen = []
+        trainer.add_callback(type("Seen", (TrainerCallback,), {
+            "on_step_end": lambda self, a, state, control, **kw: seen.append(a.logging_nan_inf_filter)})())
+        trainer.train()
+        assert args.logging_nan_inf_filter  # the user's setting, back after train()
+        return losses_of(trainer), seen
+
+    host, seen_host = run(False)
+    device, seen_device = run(True)
+    assert seen_host == [True] * 7 and seen_device == [False] * 7  # the Trainer's own filter was off on the "device"
+    assert len(host) == 3 and all(math.isfinite(x) for x in host)
+    assert device == host
+
+
 def test_qlora_4bit_with_layer_swap_through_the_cli(tmp_path, capsys):
     """load_in_4bit + LoRA + layer swap end to end on the CPU (bitsandbytes' CPU kernels): trains and saves."""
     pytest.importorskip("bitsandbytes")
