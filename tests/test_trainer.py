@@ -209,19 +209,25 @@ class Snapshot(TrainerCallback):
             opt._host_codes.clone() if opt._allocated else None)
 
 
-@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
-def test_nonfinite_step_is_skipped_with_weights_and_states_unchanged(tmp_path, max_grad_norm):
+def poisoned_tiny_setup(at: int = 4):
+    """A tiny model (and its data) whose final norm output becomes NaN in its `at`-th training forward."""
     model, _, train = tiny_setup(seq=32)
     calls = {"n": 0}
 
-    def poison(module, args, out):  # the final norm's output of the 4th training forward becomes NaN
+    def poison(module, args, out):
         if module.training:
             calls["n"] += 1
-            if calls["n"] == 4:
+            if calls["n"] == at:
                 return out * float("nan")
         return out
 
     model.model.norm.register_forward_hook(poison)
+    return model, train
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
+def test_nonfinite_step_is_skipped_with_weights_and_states_unchanged(tmp_path, max_grad_norm):
+    model, train = poisoned_tiny_setup()
     args = make_args(tmp_path, max_steps=6, gradient_accumulation_steps=1, max_grad_norm=max_grad_norm,
                      save_strategy="no")
     trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
@@ -246,17 +252,7 @@ def test_loss_filter_on_the_device_logs_what_the_trainers_own_does(tmp_path, mon
 
     def run(on_device: bool):
         monkeypatch.setattr(trainer_mod.OffloadMixin, "_filters_loss_on_device", lambda self: on_device)
-        model, _, train = tiny_setup(seq=32)
-        calls = {"n": 0}
-
-        def poison(module, args, out):  # the 4th training forward's final norm output becomes NaN
-            if module.training:
-                calls["n"] += 1
-                if calls["n"] == 4:
-                    return out * float("nan")
-            return out
-
-        model.model.norm.register_forward_hook(poison)
+        model, train = poisoned_tiny_setup()
         args = make_args(tmp_path / str(on_device), max_steps=7, gradient_accumulation_steps=1, logging_steps=2,
                          max_grad_norm=max_grad_norm, save_strategy="no")
         trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
