@@ -162,6 +162,8 @@ def main() -> None:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
     finally:
         trainer_module.OffloadTrainer = plain
+    if built:  # (make_table's planner table and notes read it)
+        row["extra"]["activation_offload"] = bool(built[0]._want_activations)
     plan = built[0]._plan if built else None
     if plan is not None:  # the Trainer's own plan (its host peak counts a save's shard)
         row["predicted"] = predicted(plan)

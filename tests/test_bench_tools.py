@@ -87,6 +87,7 @@ def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypat
     assert row["system"] == "offload_trainer_cli" and row["extra"]["losses"] == [x["loss"] for x in logs]
     assert row["host_peak_gib"] > 0
     assert row["predicted"]["host_peak_gib"] > 0 and row["predicted"]["fits"]  # the Trainer's own plan
+    assert row["extra"]["activation_offload"] is False  # (tiny-cpu.yaml: no gradient checkpointing to offload)
     # steps 3 and 4 profiled (CPU only here): the Trainer's own calls are among the top CPU ops, the trace written
     prof = row["extra"]["profile"]
     assert prof["profiled_steps"] == 2 and prof["profiled_step_ms"] > 0 and prof["gpu_idle_ms"] is None
