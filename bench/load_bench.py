@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import finish_row  # noqa: E402
+from step_bench import finish_row, machine  # noqa: E402
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
 
     cfg = architecture_config(a.model)
     row = dict(run_id=a.run_id, commit=os.environ.get("COMMIT", "unknown"),
-               machine=f"{torch.cuda.get_device_name(0)} x1, {os.cpu_count()} cores", model=a.model,
+               machine=machine(), model=a.model,
                method="qlora-nf4-r16", system="pretrained_layerwise_load", gpus=1, gpu_cap_gib=a.cap, seq_len=a.seq,
                micro_batch=1, grad_accum=1, tokens_per_step=a.seq, tok_per_s=None, step_s_median=None,
                peak_alloc_gib=None, peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None, extra={})

@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import finish_row, gpu_idle_ms, swap_extra, timed  # noqa: E402
+from step_bench import finish_row, gpu_idle_ms, machine, swap_extra, timed  # noqa: E402
 
 
 def main() -> None:
@@ -56,7 +56,7 @@ def main() -> None:
     text_cfg.use_cache = cfg.use_cache = False
     system = "qlora_swap" if a.resident is not None else "qlora_native"
     row = dict(run_id=a.run_id, commit=os.environ.get("COMMIT", "unknown"),
-               machine=f"{torch.cuda.get_device_name(0)} x1, {os.cpu_count()} cores", model=a.model,
+               machine=machine(), model=a.model,
                method="qlora-nf4-r16", system=system, gpus=1, gpu_cap_gib=a.cap or None, seq_len=a.seq,
                micro_batch=a.bs, grad_accum=1, tokens_per_step=a.bs * a.seq, tok_per_s=None, step_s_median=None,
                peak_alloc_gib=None, peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None,

@@ -270,6 +270,18 @@ def test_loss_filter_on_the_device_logs_what_the_trainers_own_does(tmp_path, mon
     assert device == host
 
 
+def test_loss_filter_falls_back_to_the_trainers_own_without_its_running_loss(tmp_path):
+    """A transformers whose loop keeps no `_tr_loss` (the device filter's input): the Trainer's own filter comes back
+    on, and this micro-batch's loss goes to it unchanged."""
+    model, _, train = tiny_setup()
+    trainer = OffloadTrainer(model=model, args=make_args(tmp_path, logging_nan_inf_filter=False), train_dataset=train)
+    assert not hasattr(trainer, "_tr_loss")  # (set by the Trainer's loop)
+    trainer._device_loss_filter = True
+    loss = torch.tensor(float("nan"))
+    assert trainer._filtered(loss) is loss
+    assert trainer.args.logging_nan_inf_filter and not trainer._device_loss_filter
+
+
 def test_qlora_4bit_with_layer_swap_through_the_cli(tmp_path, capsys):
     """load_in_4bit + LoRA + layer swap end to end on the CPU (bitsandbytes' CPU kernels): trains and saves."""
     pytest.importorskip("bitsandbytes")
