@@ -254,13 +254,16 @@ def test_loss_filter_on_the_device_logs_what_the_trainers_own_does(tmp_path, mon
         monkeypatch.setattr(trainer_mod.OffloadMixin, "_filters_loss_on_device", lambda self: on_device)
         model, train = poisoned_tiny_setup()
         args = make_args(tmp_path / str(on_device), max_steps=7, gradient_accumulation_steps=1, logging_steps=2,
-                         max_grad_norm=max_grad_norm, save_strategy="no")
-        trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
-        seen = []
+                         max_grad_norm=max_grad_norm, save_strategy="no", eval_strategy="steps", eval_steps=3)
+        trainer = OffloadTrainer(model=model, args=args, train_dataset=train,
+                                 eval_dataset=torch.utils.data.Subset(train, range(4)))
+        seen, seen_in_eval = [], []
         trainer.add_callback(type("Seen", (TrainerCallback,), {
-            "on_step_end": lambda self, a, state, control, **kw: seen.append(a.logging_nan_inf_filter)})())
+            "on_step_end": lambda self, a, state, control, **kw: seen.append(a.logging_nan_inf_filter),
+            "on_evaluate": lambda self, a, state, control, **kw: seen_in_eval.append(a.logging_nan_inf_filter)})())
         trainer.train()
         assert args.logging_nan_inf_filter  # the user's setting, back after train()
+        assert len(seen_in_eval) >= 2 and all(seen_in_eval)  # evaluations (steps 3, 6, ...) filter on the host
         return losses_of(trainer), seen
 
     host, seen_host = run(False)
