@@ -3,8 +3,10 @@
 A thin shell over the mechanisms (optim.py, loss.py), through the Trainer's seams: `create_optimizer`,
 `training_step`, `compute_loss`, `log`, `save_model`, `evaluate`, and the two private clip hooks
 `_clip_grad_norm` / `_get_grad_norm` (there is no public seam for clipping; the streamed optimizer must
-clip gradients that may already sit in host memory). `OffloadMixin` carries it all, so TRL's
-`SFTTrainer` gets the same with `class OffloadSFTTrainer(OffloadMixin, SFTTrainer)`.
+clip gradients that may already sit in host memory). On a GPU it also reads the Trainer's private running loss
+(`_tr_loss`, `_globalstep_last_logged`) to filter non-finite losses on the device (`_loss_filter_on_device`; the
+Trainer's own filter when they are absent). `OffloadMixin` carries it all, so TRL's `SFTTrainer` gets the same with
+`class OffloadSFTTrainer(OffloadMixin, SFTTrainer)`.
 """
 from __future__ import annotations
 
