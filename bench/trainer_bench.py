@@ -162,11 +162,10 @@ def main() -> None:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
     finally:
         trainer_module.OffloadTrainer = plain
-    if built:  # (make_table's planner table and notes read it)
-        row["extra"]["activation_offload"] = bool(built[0]._want_activations)
-    plan = built[0]._plan if built else None
-    if plan is not None:  # the Trainer's own plan (its host peak counts a save's shard)
-        row["predicted"] = predicted(plan)
+    if built:
+        row["extra"]["activation_offload"] = bool(built[0]._want_activations)  # (read by make_table)
+        if built[0]._plan is not None:  # the Trainer's own plan (its host peak counts a save's shard)
+            row["predicted"] = predicted(built[0]._plan)
     row["extra"]["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # (the command sets one if unset)
     if profiler is not None:  # (the profiled steps are among the timed ones: profiling slows them a little)
         row["extra"]["profile"] = profiler.summary

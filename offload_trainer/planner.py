@@ -570,9 +570,9 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
     bf16 weights when smaller; with LoRA too: checkpoints hold the adapters, but `offload-trainer train` also writes
     the merged model)."""
     gpu = getattr(args, "gpu_memory_limit_gb", None) or gpu_gb
+    shape = ModelShape.from_config(config)
     r = getattr(model_args, "lora_r", 0) or 0
-    lora = ModelShape.from_config(config).lora_params(r, getattr(model_args, "lora_target_modules", "all-linear")) \
-        if r else 0
+    lora = shape.lora_params(r, getattr(model_args, "lora_target_modules", "all-linear")) if r else 0
     lora = lora if lora_params is None else lora_params
     bits = (4 if getattr(model_args, "load_in_4bit", False) else 16) if weight_bits is None else weight_bits
     if ranks is None:  # under torchrun / accelerate launch
@@ -580,7 +580,7 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
         node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     else:
         node_ranks = ranks
-    saved = 2 * ModelShape.from_config(config).params  # bf16 weights (LoRA too: the command saves a merged model)
+    saved = 2 * shape.params  # bf16 weights (LoRA too: the command saves a merged model)
     return plan(config, batch=args.per_device_train_batch_size, seq=seq, gpu_memory_limit_gb=gpu,
                 host_memory_gb=host_gb, max_grad_norm=args.max_grad_norm or 0.0,
                 loss_chunk=getattr(args, "loss_chunk_size", 1024),
