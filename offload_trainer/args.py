@@ -13,25 +13,58 @@ from transformers import TrainingArguments
 
 from .planner import device_state_setting
 
-# The optimizer names a user may keep while `offload_optimizer` is on: all of them mean AdamW, and the
-# streamed optimizer keeps AdamW's states in torchao's 8-bit format (see optim.py).
-ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_8bit")
+# `optim` values that name AdamW: the streamed optimizer runs in their place (AdamW with torchao's 8-bit states; the
+# README's "What differs from Trainer" says so). Any other name runs the Trainer's own optimizer, nothing offloaded.
+ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_8bit", "adamw_torch_4bit", "adamw_bnb_8bit",
+               "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
 MASTER_WEIGHTS = ("bf16_sr", "bf16")
+
+
+def optim_name(args) -> str:
+    return str(getattr(args.optim, "value", args.optim))
 
 
 def offload_conflict(args) -> str | None:
     """Why `offload_optimizer` cannot run with these arguments (DeepSpeed / FSDP given), or None."""
     engines = [k for k in ("deepspeed", "fsdp") if getattr(args, k, None)]
-    if not engines or not getattr(args, "offload_optimizer", True):
+    if not engines or getattr(args, "offload_optimizer", None) is False:
         return None
     return (f"offload_optimizer streams the optimizer states itself and cannot run under {' / '.join(engines)} "
             f"(which shard or offload them their own way): remove {', '.join(engines)}, or set "
             f"offload_optimizer: false")
 
 
+def streams_optimizer(args, *, optimizer_given: bool = False) -> tuple[bool, str]:
+    """(whether the streamed optimizer runs, why not when it does not). One rule for `TrainingArguments` and ours:
+    `offload_optimizer` unset (None) streams when `optim` names AdamW and no optimizer was handed to the Trainer, and
+    otherwise lets the Trainer's own optimizer run (the caller logs the reason); True insists (a contradiction is an
+    error, before any weight is touched); False never streams."""
+    asked = getattr(args, "offload_optimizer", None)
+    optim = optim_name(args)
+    if asked is False:
+        return False, "offload_optimizer is false"
+    if optimizer_given:
+        if asked:
+            raise ValueError("offload_optimizer=True streams its own AdamW, but an optimizer was passed to the Trainer "
+                             "(optimizers=... or optimizer_cls_and_kwargs=...): pass neither, or set "
+                             "offload_optimizer: false to train with yours")
+        return False, "an optimizer was passed to the Trainer (optimizers= or optimizer_cls_and_kwargs=)"
+    if optim not in ADAMW_NAMES:
+        if asked:
+            raise ValueError(f"offload_optimizer=True streams 8-bit AdamW states, but optim={optim!r}. Set optim to one "
+                             f"of {', '.join(ADAMW_NAMES)}, or leave offload_optimizer unset (or false) to train with "
+                             f"{optim!r} on the GPU.")
+        return False, f"optim={optim!r} is not AdamW"
+    if getattr(args, "optim_args", None):
+        raise ValueError(f"optim_args={args.optim_args!r} is read by the Trainer's own optimizer, which the streamed "
+                         f"AdamW replaces: use adam_beta1 / adam_beta2 / adam_epsilon / weight_decay, or set "
+                         f"offload_optimizer: false")
+    return True, ""
+
+
 def several_gpus_conflict(args) -> str | None:
     """Why one process cannot drive the GPUs it sees (the Trainer's DataParallel mode), or None."""
-    if args is None or not getattr(args, "offload_optimizer", True) or args.n_gpu <= 1:
+    if args is None or args.n_gpu <= 1 or not streams_optimizer(args)[0]:
         return None
     n = args.n_gpu
     return (f"{n} GPUs are visible to this one process, where the Trainer would use torch.nn.DataParallel; the "
@@ -123,12 +156,14 @@ class DataArguments:
 class OffloadTrainingArguments(TrainingArguments):
     """`TrainingArguments` plus the offload switches. Every other field is the Trainer's own."""
 
-    offload_optimizer: bool = field(
-        default=True,
+    offload_optimizer: bool | None = field(
+        default=None,
         metadata={"help": "Keep AdamW states 8-bit in pinned CPU memory and stream them to the GPU layer by "
                           "layer for the update (saves ~2 bytes/param of GPU memory vs 8-bit AdamW on the GPU, "
-                          "costs ~4 bytes/param/step of PCIe traffic, hidden behind backward). False: the "
-                          "Trainer's own optimizer."},
+                          "costs ~4 bytes/param/step of PCIe traffic, hidden behind backward). Unset: on when optim "
+                          "names AdamW (the default) and no optimizer is passed to the Trainer; otherwise the "
+                          "Trainer's own optimizer runs, said in the log. True: required (an error otherwise). "
+                          "False: the Trainer's own optimizer."},
     )
     offload_gradients: bool | None = field(
         default=None,
@@ -221,13 +256,7 @@ class OffloadTrainingArguments(TrainingArguments):
             # torchrun on a machine without CUDA: without use_cpu the Trainer would run each process on its own
             self.use_cpu = True
         super().__post_init__()
-        if self.offload_optimizer:
-            optim = getattr(self.optim, "value", self.optim)
-            if optim not in ADAMW_NAMES:
-                raise ValueError(
-                    f"offload_optimizer=True streams 8-bit AdamW states, but optim={optim!r}. "
-                    f"Set optim to one of {', '.join(ADAMW_NAMES)}, or offload_optimizer: false to use {optim!r}."
-                )
+        streams_optimizer(self)  # a contradiction (offload_optimizer: true with optim: sgd) fails here
         if self.master_weights not in MASTER_WEIGHTS:
             raise ValueError(f"master_weights={self.master_weights!r}: use one of {', '.join(MASTER_WEIGHTS)}")
         if self.offload_chunk_numel < 4096 or self.offload_chunk_numel % 256:

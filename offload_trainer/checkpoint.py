@@ -74,9 +74,10 @@ def clean_staging(run_dir: str) -> None:
 
 def check_checkpoint(path: str, model=None) -> None:
     """Raise CheckpointError if `path` cannot be resumed from (incomplete, damaged, or another model's)."""
+    # The Trainer's own words first where it has them ("Can't find a valid checkpoint at"): scripts match on them.
     if not os.path.isdir(path):
-        raise CheckpointError(f"checkpoint {path!r} does not exist (resume_from_checkpoint: true picks the newest "
-                              f"complete one in output_dir)")
+        raise CheckpointError(f"Can't find a valid checkpoint at {path}: the directory does not exist "
+                              f"(resume_from_checkpoint: true picks the newest complete one in output_dir)")
     state_file = os.path.join(path, "trainer_state.json")
     try:
         with open(state_file) as f:
@@ -86,7 +87,7 @@ def check_checkpoint(path: str, model=None) -> None:
                               f"({type(e).__name__}). Resume from an earlier checkpoint.") from None
     weights = [f for f in WEIGHT_FILES if os.path.exists(os.path.join(path, f))]
     if not weights:
-        raise CheckpointError(f"checkpoint {path!r} is incomplete: no model weights "
+        raise CheckpointError(f"Can't find a valid checkpoint at {path}: it is incomplete, no model weights "
                               f"({', '.join(WEIGHT_FILES)}). Resume from an earlier checkpoint.")
     if weights[0].endswith(".safetensors"):
         shapes = _safetensors_shapes(os.path.join(path, weights[0]), path)
@@ -154,7 +155,9 @@ def _safetensors_shapes(file: str, path: str) -> dict[str, tuple]:
 def _check_same_model(saved: dict[str, tuple], model, path: str) -> None:
     inner = model.get_base_model() if hasattr(model, "get_base_model") and not any(
         "lora" in k for k in saved) else model
-    ours = {k: tuple(v.shape) for k, v in inner.state_dict().items()}
+    # Parameters only: what the optimizer's states belong to must match; buffers are the model's own business (a
+    # model may grow one and accept it in its load_state_dict), left to the load itself.
+    ours = {k: tuple(v.shape) for k, v in inner.named_parameters()}
     for k, shape in saved.items():
         if k in ours and ours[k] != shape:
             raise CheckpointError(f"checkpoint {path!r} is from a different model: {k} has shape {shape} there "

@@ -15,7 +15,7 @@ import textwrap
 # fail to load on a CPU-only torch and print a warning each; every benchmark ran with this set.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
-from .args import several_gpus_conflict  # noqa: E402
+from .args import several_gpus_conflict, streams_optimizer  # noqa: E402
 from .config import ConfigError, load_config, parse_args, valid_fields  # noqa: E402
 from .data import DataError  # noqa: E402
 from .errors import CheckpointError, TrainingInterrupted, TrainingStopped  # noqa: E402
@@ -71,7 +71,7 @@ def train(config: str, overrides: list[str]) -> str:
     if conflict:  # before any weight is loaded
         raise ConfigError(conflict)
     model_config = model_config_of(model_args)  # (read once: a checkpoint's config.json may be remote)
-    if training_args.offload_optimizer or model_args.lora_r:
+    if streams_optimizer(training_args)[0] or model_args.lora_r:
         # refuses a plan that cannot fit, before any weights
         make_plan(model_args, data_args, training_args, model_config=model_config)
     if getattr(model_config, "vision_config", None) is not None:

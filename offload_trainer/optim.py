@@ -183,14 +183,11 @@ class _StepPlan:
     clip_coef: Tensor | None = None
 
 
-def _host_hyperparameter(t: Tensor) -> Tensor:
-    """A hyperparameter tensor (lr) as the update wants it: on the host, float32. Each launch reads it as a Python
-    number, which for a GPU tensor is a device sync -- one per chunk's launch, serializing the CPU with the update
-    stream (8B through the Trainer, run 20261201-s20a: ~410 syncs per step, 0.75x native instead of 0.91x after this
-    fix, run -s20b). accelerate's `prepare()` put it there: it round-trips an optimizer's state dict through the GPU
-    (the Trainer now prepares this optimizer without placement, but a user's own accelerate loop may not)."""
-    t = t.detach()
-    return t.to("cpu", torch.float32) if t.is_floating_point() else t.cpu()
+def _as_float(value) -> float:
+    """A hyperparameter as a Python number. A tensor here (a user's, or a state dict that went through accelerate's
+    prepare(), which sends it to the GPU) is read once, so no update's launch reads a GPU tensor (a device sync per
+    chunk, which serialized the CPU with the update stream)."""
+    return float(value.detach().cpu()) if isinstance(value, Tensor) else float(value)
 
 
 class StreamedAdamW8bit(torch.optim.Optimizer):
@@ -324,11 +321,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        # NOTE: lr is a tensor, as in torchao's optimizers: LR schedulers fill_() it in place, and a
-        # compiled update does not recompile when it changes.
+        # lr stays a Python float, as in torch's own optimizers (torchao keeps a tensor): schedulers, the Trainer's
+        # logs and users read and copy it as a number. Each update takes a float32 tensor of it when it is taken
+        # (`_take`), which is what the compiled update wants (no recompile when lr changes).
         group = self.param_groups[-1]
-        if not isinstance(group["lr"], Tensor):
-            group["lr"] = torch.tensor(group["lr"], dtype=torch.float32)
+        group["lr"] = _as_float(group["lr"])
 
     # ------------------------------------------------------------------ setup
     def _owns(self, p: Tensor) -> bool:
@@ -755,9 +752,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         group, st = self._group_of[p], self.state[p]
         st["step"] += 1
         step = st["step"].clone()  # read when each kernel launches; never mutated afterwards
-        if isinstance(group["lr"], Tensor) and group["lr"].device.type != "cpu":  # (one sync, then kept there)
-            group["lr"] = _host_hyperparameter(group["lr"])
-        lr = torch.as_tensor(group["lr"], dtype=torch.float32).clone()  # as step: fixed now (schedulers fill_() it)
+        if isinstance(group["lr"], Tensor):  # put there by a user or a scheduler: read once, kept a number
+            group["lr"] = _as_float(group["lr"])
+        lr = torch.tensor(group["lr"], dtype=torch.float32)  # as step: fixed now, float32 as torchao rounds it
         sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
         args = (lr, group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], sr)
         grad, p.grad = p.grad, None
@@ -1099,8 +1096,12 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ state
     def state_dict(self):
+        """torchao `AdamW8bit`'s layout, lr included: a 0-dim float32 tensor there (its step() refuses a number)."""
         self.synchronize()
-        return super().state_dict()
+        sd = super().state_dict()
+        for g in sd["param_groups"]:  # (copies of our groups: ours keep their float)
+            g["lr"] = torch.tensor(g["lr"], dtype=torch.float32)
+        return sd
 
     def load_state_dict(self, state_dict) -> None:
         """Copy a saved state (ours or torchao AdamW8bit's) into the existing host buffers, in place."""
@@ -1134,11 +1135,8 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             for key, val in s.items():
                 if key == "params":
                     continue
-                if isinstance(val, Tensor):  # kept on the host, in place (see _host_hyperparameter)
-                    val = _host_hyperparameter(val)
-                    if isinstance(g.get(key), Tensor) and g[key].shape == val.shape:
-                        g[key].copy_(val)
-                        continue
+                if isinstance(val, Tensor) and val.numel() == 1:  # torchao's lr tensor, or one moved by accelerate
+                    val = _as_float(val)
                 g[key] = val
 
     def memory_stats(self) -> dict[str, int]:

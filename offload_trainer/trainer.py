@@ -25,11 +25,12 @@ import warnings
 
 import torch
 from torch import nn
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .activations import enable_activation_offload
-from .args import OffloadTrainingArguments, checkpointing_on, offload_conflict, several_gpus_conflict
+from .args import (OffloadTrainingArguments, checkpointing_on, offload_conflict, several_gpus_conflict,
+                   streams_optimizer)
 from .checkpoint import (STAGING_PREFIX, check_checkpoint, check_disk, clean_staging, load_optimizer_states,
                          newest_complete_checkpoint, optimizer_shard_name, publish)
 from .config import ConfigError
@@ -110,16 +111,6 @@ def _head_and_decoder(model: nn.Module):
     return decoder, head
 
 
-class _StepEndCallback(TrainerCallback):
-    """Step-boundary decisions of OffloadMixin: skipped non-finite steps, interrupts."""
-
-    def __init__(self, trainer: "OffloadMixin"):
-        self.trainer = trainer
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.trainer._on_step_end(control)
-
-
 def _decoder_layers(model: nn.Module) -> nn.ModuleList | None:
     """The largest ModuleList (the decoder layers of any HF causal LM)."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
@@ -139,6 +130,16 @@ class OffloadMixin:
             raise ConfigError(conflict)
         apply_gpu_memory_limit(getattr(training_args, "gpu_memory_limit_gb", None))
         super().__init__(*args, **kwargs)
+        try:  # (an optimizer handed over is honoured: the Trainer's own path, said in the log)
+            self._streaming, self._not_streaming_why = streams_optimizer(
+                self.args, optimizer_given=self.optimizer is not None or self.optimizer_cls_and_kwargs is not None)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        # Non-finite steps are skipped (the states stay sane); a plain TrainingArguments, where the Trainer would
+        # train on, never stops on them, ours stops after max_nonfinite_steps in a row (0: no check).
+        own_args = isinstance(self.args, OffloadTrainingArguments)
+        self._check_nonfinite = bool(self.args.max_nonfinite_steps) if own_args else True
+        self._nonfinite_limit = self.args.max_nonfinite_steps if own_args else 0
         self._offload_opt: StreamedAdamW8bit | None = None
         self._tokens_since_log = 0
         self._last_log_time = time.perf_counter()
@@ -155,7 +156,7 @@ class OffloadMixin:
         self._device_loss_filter = False  # see _loss_filter_on_device
         self._skip_step = False  # this optimizer step saw a non-finite loss or gradient norm
         self._nonfinite = {"skipped": 0, "in_a_row": 0, "stopped": False}
-        self.add_callback(_StepEndCallback(self))
+        self._said_nonfinite = False
 
     def _flag(self, name: str):
         # A plain TrainingArguments (a script that only swapped Trainer for OffloadTrainer) gets our defaults.
@@ -175,8 +176,13 @@ class OffloadMixin:
         self._interrupted = None
         self._last_trim_step = None
         self._nonfinite.update(in_a_row=0, stopped=False)
+        if self._streaming and not isinstance(self.args, OffloadTrainingArguments) and not self._said_nonfinite:
+            self._said_nonfinite = True
+            logger.info("non-finite steps: an optimizer step whose loss or gradient norm is NaN/inf is skipped (weights "
+                        "and 8-bit states kept), where the Trainer would apply it; training goes on, as the Trainer's "
+                        "does (OffloadTrainingArguments' max_nonfinite_steps stops after that many in a row)")
         with self._signals_stop_cleanly(), self._no_ddp_wrapper(), self._optimizer_not_moved(), \
-                self._loss_filter_on_device():
+                self._loss_filter_on_device(), self._step_end_decisions():
             result = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         if self._interrupted is not None:
             ckpt = newest_complete_checkpoint(self.args.output_dir)
@@ -198,7 +204,7 @@ class OffloadMixin:
     # -------------------------------------------------------------- data parallel
     def _sharded(self) -> bool:
         """Several ranks and the streamed optimizer: it reduces gradients and shards states itself."""
-        return self.args.world_size > 1 and bool(self._flag("offload_optimizer"))
+        return self.args.world_size > 1 and self._streaming
 
     @contextlib.contextmanager
     def _no_ddp_wrapper(self):
@@ -232,7 +238,7 @@ class OffloadMixin:
         """accelerate's prepare() "places" an optimizer by sending its whole state dict to the GPU and loading it
         back. The streamed optimizer's states are where they belong (pinned host memory, GPU only within its budget):
         the round trip would copy them all to the GPU (16 GiB for 8B, on a second train()), and it brought the
-        learning rate back as a GPU tensor, a device sync at every update's launch (see optim._host_hyperparameter).
+        learning rate back as a GPU tensor (see optim._as_float).
         While train() runs, this Trainer's accelerator prepares the streamed optimizer without placement."""
         acc = self.accelerator
         prepare_optimizer = acc.prepare_optimizer
@@ -286,9 +292,10 @@ class OffloadMixin:
         self.accelerator.wait_for_everyone()
         if resume is True:
             found = newest_complete_checkpoint(self.args.output_dir, self.model)
-            if found is None:
-                raise CheckpointError(f"resume_from_checkpoint: true, but {self.args.output_dir!r} holds no complete "
-                                      f"checkpoint-N directory. Start without resume_from_checkpoint.")
+            if found is None:  # the Trainer's own words first: scripts match on them
+                raise CheckpointError(f"No valid checkpoint found in output directory ({self.args.output_dir}): "
+                                      f"resume_from_checkpoint: true, but it holds no complete checkpoint-N "
+                                      f"directory. Start without resume_from_checkpoint.")
             logger.info("resuming from %s", found)
             return found
         if resume:
@@ -301,7 +308,7 @@ class OffloadMixin:
             return
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        states = 2 * trainable * (1 + 4 / 256) if self._flag("offload_optimizer") else 8 * trainable
+        states = 2 * trainable * (1 + 4 / 256) if self._streaming else 8 * trainable
         # a new checkpoint is written in full before the previous one can be rotated out
         check_disk(self.args.output_dir, int((weights + states) * 1.05) + 2**20)
 
@@ -392,6 +399,22 @@ class OffloadMixin:
             for s, h in old.items():
                 signal.signal(s, h)
 
+    @contextlib.contextmanager
+    def _step_end_decisions(self):
+        """While train() runs, the Trainer's `on_step_end` event is followed by ours (skipped non-finite steps,
+        interrupts), after every callback's: a wrapper of this Trainer's callback handler, not a callback of our
+        own, so `callback_handler.callbacks` lists only what the user and the Trainer added."""
+        handler = self.callback_handler
+        on_step_end = handler.on_step_end
+
+        def with_ours(args, state, control):
+            control = on_step_end(args, state, control)
+            self._on_step_end(control)
+            return control
+
+        with _overridden(handler, "on_step_end", with_ours):
+            yield
+
     def _on_step_end(self, control) -> None:
         nf = self._nonfinite
         if self._skip_step:
@@ -399,7 +422,7 @@ class OffloadMixin:
             nf["in_a_row"] += 1
             logger.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row)",
                            self.state.global_step, nf["in_a_row"])
-            limit = self._flag("max_nonfinite_steps")
+            limit = self._nonfinite_limit
             if limit and nf["in_a_row"] >= limit:
                 nf["stopped"] = True
                 control.should_training_stop = True
@@ -419,7 +442,7 @@ class OffloadMixin:
     def _make_plan(self) -> None:
         """Run the planner once (logged), and let it decide the switches left unset."""
         peft = hasattr(self.model, "get_base_model")
-        if self._plan is not None or not (self._flag("offload_optimizer") or peft):
+        if self._plan is not None or not (self._streaming or peft):
             return
         lora = sum(p.numel() for p in self.model.parameters() if p.requires_grad) if peft else 0
         bits = 4 if getattr(self.model.get_base_model() if peft else self.model, "is_loaded_in_4bit", False) else 16
@@ -455,6 +478,9 @@ class OffloadMixin:
         mode = self._flag("layer_swap")
         if mode == "off":
             return
+        if self.model_init is not None:
+            raise ConfigError("layer_swap places the layers of the model the Trainer is built with, but model_init "
+                              "builds a new model at every train(): pass model=... instead of model_init")
         model = self.model
         inner = model.get_base_model() if hasattr(model, "get_base_model") else model
         layers = _decoder_layers(inner)
@@ -480,10 +506,10 @@ class OffloadMixin:
                     if b is not None:
                         m._buffers[name] = b.to(device)
         self._swap = LayerSwap(layers, device, resident=resident, prefetch=self._flag("layer_swap_prefetch"))
-        if self.args.world_size > 1 and not self._flag("offload_optimizer"):
+        if self.args.world_size > 1 and not self._streaming:
             raise ConfigError("layer_swap with several processes needs offload_optimizer: true (the streamed optimizer "
                               "reduces gradients itself; DistributedDataParallel cannot wrap swapped layers)")
-        if self._swap.trainable_swapped and not self._flag("offload_optimizer"):
+        if self._swap.trainable_swapped and not self._streaming:
             raise ConfigError("layer_swap with trainable swapped layers (full finetune) needs offload_optimizer: true: "
                               "the streamed optimizer updates each swapped layer while it is on the GPU. (With LoRA "
                               "only the frozen base weights are swapped and any optimizer works.)")
@@ -504,9 +530,23 @@ class OffloadMixin:
             value = self._plan.device_state_gib if self._plan is not None and not self._sharded() else 0.0
         return int(value * 2**30)
 
+    def _trainers_own_optimizer(self, model=None):
+        """The Trainer's own optimizer (the streamed one does not run: `streams_optimizer` says why), said once."""
+        optimizer = super().create_optimizer(model)
+        if self._not_streaming_why and not getattr(self, "_said_not_streaming", False):
+            self._said_not_streaming = True
+            m = model if model is not None else self.model
+            weights = sum(p.numel() * p.element_size() for p in m.parameters()) / 2**30
+            grads = sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) / 2**30
+            logger.info("optimizer: %s, so the Trainer's own %s runs and nothing is offloaded: the %s holds the weights "
+                        "(%.2f GiB), their gradients (%.2f GiB) and its states", self._not_streaming_why,
+                        type(optimizer).__name__, "GPU" if self.args.device.type == "cuda" else self.args.device.type,
+                        weights, grads)
+        return optimizer
+
     def create_optimizer(self, model=None):
-        if not self._flag("offload_optimizer"):
-            return super().create_optimizer(model)
+        if not self._streaming:
+            return self._trainers_own_optimizer(model)
         if self.optimizer is None:
             model = model if model is not None else self.model
             decay = set(self.get_decay_parameter_names(model))
@@ -521,7 +561,7 @@ class OffloadMixin:
             if self._flag("offload_gradients") is None and self._swap is not None and self._swap.trainable_swapped:
                 offload_grads = offload_grads or accumulate  # swapped layers' gradients must not pile up on the GPU
             self._offload_opt = StreamedAdamW8bit(
-                [g for g in groups if g["params"]],
+                groups,  # both, also when one is empty: get_learning_rates() lists them as the Trainer's do
                 lr=self.args.learning_rate,
                 betas=(self.args.adam_beta1, self.args.adam_beta2),
                 eps=self.args.adam_epsilon,
@@ -555,7 +595,7 @@ class OffloadMixin:
         if self._offload_opt is None:
             return super()._clip_grad_norm(model)
         norm = self._offload_opt.clip_grad_norm_(self.args.max_grad_norm)
-        if self._flag("max_nonfinite_steps") and not math.isfinite(norm.item()):  # one sync per optimizer step
+        if self._check_nonfinite and not math.isfinite(norm.item()):  # one sync per optimizer step
             self._nonfinite_step()
         return norm
 
@@ -579,7 +619,7 @@ class OffloadMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # Updates during backward cannot be undone: a non-finite loss must be caught before its backward.
         guard = (self._offload_opt is not None and self._offload_opt.update_in_backward and not return_outputs
-                 and model.training and torch.is_grad_enabled() and self._flag("max_nonfinite_steps"))
+                 and model.training and torch.is_grad_enabled() and self._check_nonfinite)
         if guard and self._skip_step:  # a micro-batch of this step was non-finite: the whole step is skipped
             return torch.full((), float("nan"), device=self.args.device, requires_grad=True)
         loss = self._compute_loss(model, inputs, return_outputs, num_items_in_batch)

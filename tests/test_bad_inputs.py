@@ -121,14 +121,17 @@ CONFIG_ROWS = {
                            "directory './no/such/model' does not exist"),
     "unknown-architecture": ("model_config: llama9\n", "'llama9' is not a known architecture. Did you mean"),
     "missing-data": ("dataset_path: /nonexistent/data.jsonl\n", "file '/nonexistent/data.jsonl' does not exist"),
-    "optim-not-adamw": ("optim: sgd\n", "offload_optimizer=True streams 8-bit AdamW states, but optim='sgd'"),
+    "optim-not-adamw": ("offload_optimizer: true\noptim: sgd\n",
+                        "offload_optimizer=True streams 8-bit AdamW states, but optim='sgd'"),
     "activation-offload-without-checkpointing": ("activation_offload: true\n",
                                                  "set gradient_checkpointing: true as well"),
     "layer-swap-without-checkpointing": ("layer_swap: auto\n", "set gradient_checkpointing: true as well"),
     "with-fsdp": ("fsdp: full_shard\n", "cannot run under fsdp"),
     "sequence-too-long": ("max_seq_length: 100000\n", "is longer than the tokenizer/model allows"),
-    "resume-missing-path": ("resume_from_checkpoint: /nonexistent\n", "checkpoint '/nonexistent' does not exist"),
-    "resume-nothing-to-resume": ("resume_from_checkpoint: true\n", "holds no complete checkpoint-N directory"),
+    "resume-missing-path": ("resume_from_checkpoint: /nonexistent\n",
+                            "Can't find a valid checkpoint at /nonexistent: the directory does not exist"),
+    "resume-nothing-to-resume": ("resume_from_checkpoint: true\n",
+                                 "No valid checkpoint found in output directory"),
 }
 
 
@@ -282,7 +285,7 @@ def test_corrupted_checkpoint(trained, tmp_path, capsys):
 def test_partial_checkpoint(trained, tmp_path, capsys):
     case = copy_run(trained, tmp_path)
     (case.out / "checkpoint-2" / "model.safetensors").unlink()
-    expect(case, capsys, 2, "is incomplete: no model weights",
+    expect(case, capsys, 2, "is incomplete, no model weights",
            argv=[f"resume_from_checkpoint={case.out / 'checkpoint-2'}", "max_steps=4"])
 
 

@@ -41,10 +41,10 @@ BASE = "model_config: tiny-llama\noutput_dir: {out}\n"
 @pytest.mark.parametrize("body, needle", [
     ("learning_rat: 1e-3\n", "unknown key 'learning_rat'. Did you mean 'learning_rate'?"),
     ("max_steps: ten\n", "key 'max_steps' = 'ten' (str) has the wrong type; expected int"),
-    ("offload_optimizer: 3\n", "key 'offload_optimizer' = 3 (int) has the wrong type; expected bool"),
+    ("offload_optimizer: 3\n", "key 'offload_optimizer' = 3 (int) has the wrong type; expected bool or null"),
     ("dataset_path: /nonexistent/data.jsonl\n", "file '/nonexistent/data.jsonl' does not exist"),
     ("model_name_or_path: ./no/such/model\n", "directory './no/such/model' does not exist"),
-    ("optim: sgd\n", "offload_optimizer=True streams 8-bit AdamW states, but optim='sgd'"),
+    ("optim: sgd\noffload_optimizer: true\n", "offload_optimizer=True streams 8-bit AdamW states, but optim='sgd'"),
     ("offload_chunk_numel: 1000\n", "offload_chunk_numel=1000: use a multiple of 256"),
     ("offload_device_states: lots\n", "offload_device_states='lots': use auto, off, or a number of GiB"),
     ("max_steps: [1\n", "(while parsing a flow sequence at line 3)"),

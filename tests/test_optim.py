@@ -12,17 +12,33 @@ from tiny_models import TinyLM, param_groups
 LR, BETAS, WD = 3e-3, (0.9, 0.95), 0.1
 
 
-def cosine(opt, steps, warmup=5):
-    def f(s):
-        if s < warmup:
-            return (s + 1) / warmup
-        return 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
-    return torch.optim.lr_scheduler.LambdaLR(opt, f)
+class Cosine:
+    """Warmup + cosine, lr set to the same Python number on both optimizers (torchao keeps lr a float32 tensor, filled
+    in place; ours a float): a LambdaLR would compute torchao's product in float32 and ours in float64, and the
+    optimizers' arithmetic would no longer be compared alone."""
+
+    def __init__(self, opt, steps, warmup=5):
+        self.opt, self.steps, self.warmup, self.s = opt, steps, warmup, 0
+        self.base = [LR for _ in opt.param_groups]  # (not read back: torchao's is LR rounded to float32)
+        self._set()
+
+    def _set(self):
+        s, w = self.s, self.warmup
+        f = (s + 1) / w if s < w else 0.5 * (1 + math.cos(math.pi * (s - w) / max(1, self.steps - w)))
+        for g, base in zip(self.opt.param_groups, self.base):
+            if isinstance(g["lr"], torch.Tensor):
+                g["lr"].fill_(base * f)
+            else:
+                g["lr"] = base * f
+
+    def step(self):
+        self.s += 1
+        self._set()
 
 
 def run(model, opt, *, steps, accum, max_norm, seed, streamed, device, order="model"):
     """Fresh random batches every micro-step; returns losses and grad norms."""
-    sched = cosine(opt, steps)
+    sched = Cosine(opt, steps)
     gen = torch.Generator().manual_seed(seed)
     losses, norms = [], []
     for _ in range(steps):
@@ -367,19 +383,32 @@ def test_state_dict_is_torchao_layout_and_round_trips():
     assert opt.state[next(iter(opt._offset))]["exp_avg"].codes.data_ptr() == ptr
 
 
-def test_loaded_learning_rate_stays_a_host_float32_tensor_updated_in_place():
-    """A state dict whose lr is a tensor of another kind (accelerate's prepare() sends it through the GPU; here a
-    float64 stands in) loads into the existing host tensor: each update reads lr as a Python number, which for a
-    GPU tensor is a device sync per tensor update."""
+def test_learning_rate_is_a_python_float_wherever_a_user_reads_it():
+    """lr is a float in param_groups, as in torch's optimizers: after construction, schedulers, steps, and a state
+    dict whose lr is a tensor (torchao's layout; accelerate's prepare() sends it through the GPU, a float64 stands in
+    here). The state dict itself keeps torchao's layout (a float32 tensor, which its step() requires)."""
     _, _, ours, opt = make_pair("cpu")
-    lr = opt.param_groups[0]["lr"]
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 10)
+    snapshots = []
+    for _ in range(3):
+        ours.loss(torch.randint(0, 128, (2, 9))).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        snapshots.append([g["lr"] for g in opt.param_groups])
+    assert all(type(lr) is float for snap in snapshots for lr in snap)
+    assert [s[0] for s in snapshots] == pytest.approx([LR * 0.9, LR * 0.8, LR * 0.7])  # no shared tensor moved
     sd = opt.state_dict()
+    assert sd["param_groups"][0]["lr"].dtype == torch.float32 and type(opt.param_groups[0]["lr"]) is float
     sd["param_groups"][0]["lr"] = torch.tensor(0.25, dtype=torch.float64)
     sd["param_groups"][0]["initial_lr"] = torch.tensor(0.5, dtype=torch.float64)  # a key the group lacked
     opt.load_state_dict(sd)
     group = opt.param_groups[0]
-    assert group["lr"] is lr and lr.dtype == torch.float32 and lr.device.type == "cpu" and lr.item() == 0.25
-    assert group["initial_lr"].dtype == torch.float32 and group["initial_lr"].item() == 0.5
+    assert group["lr"] == 0.25 and type(group["lr"]) is float and group["initial_lr"] == 0.5
+    group["lr"] = torch.tensor(0.125)  # a tensor put there by hand is read once, then kept a number
+    ours.loss(torch.randint(0, 128, (2, 9))).backward()
+    opt.step()
+    assert group["lr"] == 0.125 and type(group["lr"]) is float
 
 
 @pytest.mark.parametrize("mode", ["step_only_clip", "offload_grads_clip", "update_in_backward",
