@@ -122,7 +122,7 @@ class ModelArguments:
         if self.model_config is not None:
             from .models import architecture_config
 
-            architecture_config(self.model_config)  # an unknown name fails here, with the closest known one
+            architecture_config(self.model_config, self.model_overrides)  # an unknown name or override key fails
         if self.load_in_4bit and not self.lora_r:
             raise ValueError("load_in_4bit freezes the base in 4 bits: set lora_r (e.g. 16) to train adapters on it")
         if self.lora_r < 0:
@@ -237,6 +237,13 @@ class OffloadTrainingArguments(TrainingArguments):
         metadata={"help": "Skip an optimizer step whose loss or gradient norm is NaN/inf (weights and optimizer "
                           "states unchanged); stop after this many in a row. 0: no check (one GPU sync less per "
                           "step)."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "`offload-trainer train` refuses an output_dir that holds an earlier run's checkpoints or "
+                          "model unless this is true (its checkpoints are then removed when the run starts) or "
+                          "resume_from_checkpoint is set. (transformers 4.x had this key; from Python the Trainer "
+                          "writes wherever it is told, as before.)"},
     )
     gpu_memory_limit_gb: float | None = field(
         default=None,

@@ -1,8 +1,8 @@
 """Checkpoints that survive a kill: written into a staging directory, fsynced, then renamed into place.
 
 A directory named `checkpoint-N` therefore only ever exists complete. `newest_complete_checkpoint` also
-checks what it picks (files present, trainer state readable, weights' header readable, optimizer archive
-intact), so a checkpoint damaged later (a disk error, a hand copy cut short) is skipped with a warning
+checks what it picks (trainer state readable, weights' header readable, optimizer, scheduler and RNG archives
+present and intact), so a checkpoint damaged later (a disk error, a hand copy cut short) is skipped with a warning
 instead of failing the resume; `check_checkpoint` explains what is wrong with one given explicitly,
 including a checkpoint of another model (parameter names or shapes differ).
 """
@@ -22,6 +22,7 @@ logger = logging.getLogger("offload_trainer")
 STAGING_PREFIX = ".partial-"  # staging/.partial-checkpoint-N/checkpoint-N while it is written
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 _SHARD = re.compile(r"^optimizer-rank(\d+)-of-(\d+)\.pt$")
+_RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
                 "pytorch_model.bin")
 
@@ -78,13 +79,11 @@ def check_checkpoint(path: str, model=None) -> None:
     if not os.path.isdir(path):
         raise CheckpointError(f"Can't find a valid checkpoint at {path}: the directory does not exist "
                               f"(resume_from_checkpoint: true picks the newest complete one in output_dir)")
-    state_file = os.path.join(path, "trainer_state.json")
-    try:
-        with open(state_file) as f:
-            json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path!r} is incomplete or damaged: trainer_state.json unreadable "
-                              f"({type(e).__name__}). Resume from an earlier checkpoint.") from None
+    if any(_CKPT.match(n) and os.path.isdir(os.path.join(path, n)) for n in os.listdir(path)):
+        raise CheckpointError(f"Can't find a valid checkpoint at {path}: it is a run's output directory, not one of "
+                              f"its checkpoints. Use resume_from_checkpoint: true (its newest complete checkpoint), "
+                              f"or the path of one checkpoint-N in it.")
+    _check_trainer_state(path)
     weights = [f for f in WEIGHT_FILES if os.path.exists(os.path.join(path, f))]
     if not weights:
         raise CheckpointError(f"Can't find a valid checkpoint at {path}: it is incomplete, no model weights "
@@ -93,13 +92,40 @@ def check_checkpoint(path: str, model=None) -> None:
         shapes = _safetensors_shapes(os.path.join(path, weights[0]), path)
         if model is not None:
             _check_same_model(shapes, model, path)
-    for opt in optimizer_files(path):
-        try:
-            with zipfile.ZipFile(opt) as z:  # torch.save's archive: a cut-short file has no central directory
-                z.namelist()
-        except (zipfile.BadZipFile, OSError) as e:
-            raise CheckpointError(f"checkpoint {path!r} is damaged: {os.path.basename(opt)} is not a complete "
-                                  f"archive ({e}). Resume from an earlier checkpoint.") from None
+    # Without these the Trainer resumes anyway -- with a fresh optimizer, a restarted schedule or other random
+    # numbers -- and says nothing: a checkpoint lacking one is refused (and skipped by resume_from_checkpoint: true).
+    opts = optimizer_files(path)
+    rng = sorted(n for n in os.listdir(path) if _RNG.match(n))
+    for label, files in (("optimizer state (optimizer.pt)", opts),
+                         ("learning-rate schedule (scheduler.pt)", [os.path.join(path, "scheduler.pt")]),
+                         ("random-number state (rng_state.pth)", [os.path.join(path, n) for n in rng])):
+        if not files or not all(os.path.exists(f) for f in files):
+            raise CheckpointError(f"checkpoint {path!r} is incomplete: its {label} is missing, so a resumed run would "
+                                  f"not continue the same training. Resume from an earlier checkpoint.")
+        for f in files:
+            _check_archive(f, path)
+
+
+def _check_trainer_state(path: str) -> None:
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path!r} is incomplete or damaged: trainer_state.json unreadable "
+                              f"({type(e).__name__}). Resume from an earlier checkpoint.") from None
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        raise CheckpointError(f"checkpoint {path!r} is damaged: trainer_state.json holds no global_step. Resume from "
+                              f"an earlier checkpoint.")
+
+
+def _check_archive(file: str, path: str) -> None:
+    """torch.save's archive is a zip: a cut-short or emptied file has no central directory."""
+    try:
+        with zipfile.ZipFile(file) as z:
+            z.namelist()
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {os.path.basename(file)} is not a complete "
+                              f"archive ({e}). Resume from an earlier checkpoint.") from None
 
 
 def optimizer_shard_name(rank: int, world_size: int) -> str:
@@ -183,15 +209,3 @@ def newest_complete_checkpoint(run_dir: str, model=None) -> str | None:
         except CheckpointError as e:
             logger.warning("skipping %s: %s", name, e)
     return None
-
-
-def check_disk(path: str, need_bytes: int) -> None:
-    """Raise CheckpointError when the filesystem of `path` has less than `need_bytes` free."""
-    probe = path
-    while not os.path.exists(probe):
-        probe = os.path.dirname(probe) or "."
-    free = shutil.disk_usage(probe).free
-    if free < need_bytes:
-        raise CheckpointError(f"not enough disk for checkpoints in {path!r}: one needs about "
-                              f"{need_bytes / 2**30:.2f} GiB, {free / 2**30:.2f} GiB free. Free some space, "
-                              f"point output_dir elsewhere, or set save_strategy: 'no'.")

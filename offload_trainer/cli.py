@@ -6,8 +6,11 @@ fix, and exit with status 2, with no traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import re
+import shutil
 import sys
 import textwrap
 
@@ -15,12 +18,17 @@ import textwrap
 # fail to load on a CPU-only torch and print a warning each; every benchmark ran with this set.
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
-from .args import several_gpus_conflict, streams_optimizer  # noqa: E402
-from .config import ConfigError, load_config, parse_args, valid_fields  # noqa: E402
-from .data import DataError  # noqa: E402
-from .errors import CheckpointError, TrainingInterrupted, TrainingStopped  # noqa: E402
+# Only light modules here: `--help`, `keys` and a refused run answer before torch (2 s) or transformers (8 s) load.
+from .config import ConfigError, load_config, parse_args  # noqa: E402
+from .errors import (CheckpointError, DataError, OutputBusy, StorageError, TrainingInterrupted,  # noqa: E402
+                     TrainingStopped)
+from .outputs import OutputLock, check_output_dir, check_space  # noqa: E402
 
 logger = logging.getLogger("offload_trainer")
+CHECKPOINT_DIR = re.compile(r"^checkpoint-\d+$")
+# Exit codes (README, Troubleshooting): a bad input, training stopped by non-finite steps, storage (a full disk, an
+# output_dir that cannot be written), output_dir busy or holding another run. A signal: 128 + its number.
+EXIT_INPUT, EXIT_STOPPED, EXIT_STORAGE, EXIT_BUSY = 2, 3, 4, 5
 
 
 def model_config_of(model_args):
@@ -31,7 +39,30 @@ def model_config_of(model_args):
         return architecture_config(model_args.model_config, model_args.model_overrides)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_args.model_name_or_path)
+    with model_errors(model_args.model_name_or_path, "its config"):
+        return AutoConfig.from_pretrained(model_args.model_name_or_path)
+
+
+try:
+    from safetensors import SafetensorError  # (raised for a truncated or corrupt weights file)
+except ImportError:  # pragma: no cover
+    SafetensorError = OSError
+
+
+@contextlib.contextmanager
+def model_errors(path: str | None, what: str):
+    """from_pretrained's errors for a path (missing, empty, corrupt, truncated, offline Hub id) as one sentence."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (OSError, ValueError, SafetensorError) as e:
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        local = path is not None and os.path.isdir(path)
+        fix = ("a transformers model directory holds config.json, the weights (*.safetensors) and the tokenizer files"
+               if local else "a Hub id needs the network, or a copy in the HF cache (HF_HUB_OFFLINE=1 reads only that);"
+               " or give a local directory")
+        raise ConfigError(f"model_name_or_path {path!r}: cannot load {what}: {first}. ({fix})") from None
 
 
 def make_plan(model_args, data_args, training_args, host_gb: float | None = None, gpus: int | None = None,
@@ -65,62 +96,163 @@ def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: floa
 
 def train(config: str, overrides: list[str]) -> str:
     """Train from a YAML config; returns the output directory."""
+    refuse_busy_output_dir(config, overrides)  # in a fraction of a second: before transformers is imported
     cfg = load_config(config, overrides)  # every check that needs no model happens here
+    from .args import several_gpus_conflict, streams_optimizer
+
     model_args, data_args, training_args = parse_args(cfg)
     conflict = several_gpus_conflict(training_args)
     if conflict:  # before any weight is loaded
         raise ConfigError(conflict)
-    model_config = model_config_of(model_args)  # (read once: a checkpoint's config.json may be remote)
-    if streams_optimizer(training_args)[0] or model_args.lora_r:
-        # refuses a plan that cannot fit, before any weights
-        make_plan(model_args, data_args, training_args, model_config=model_config)
+    out = training_args.output_dir
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if main_rank:
+        check_output_dir(out)
+    with OutputLock(out) if main_rank else contextlib.nullcontext():
+        if main_rank:
+            check_earlier_run(training_args)
+        model_config = model_config_of(model_args)  # (read once: a checkpoint's config.json may be remote)
+        check_model_fits_data(model_args, data_args, model_config)
+        if streams_optimizer(training_args)[0] or model_args.lora_r:
+            # refuses a plan that cannot fit, before any weights
+            make_plan(model_args, data_args, training_args, model_config=model_config)
+        if main_rank:
+            check_space(out, final_output_bytes(model_args, model_config), "the trained model")
+        trainer, tokenizer, eval_ds = build_trainer(model_args, data_args, training_args, model_config)
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        if eval_ds is not None:
+            metrics = trainer.evaluate()
+            logger.info("eval loss %.4f", metrics["eval_loss"])
+        write_outputs(trainer, tokenizer, model_args)
+    logger.info("saved to %s", out)
+    return out
+
+
+def refuse_busy_output_dir(config: str, overrides: list[str]) -> None:
+    """OutputBusy if another run holds the config's output_dir (read from the YAML alone; a config that cannot be read
+    is left to load_config to report)."""
+    from .config import load_yaml, parse_overrides
+
+    try:
+        out = {**load_yaml(config), **parse_overrides(overrides)}.get("output_dir")
+    except ConfigError:
+        return
+    if isinstance(out, str) and os.path.isdir(out):
+        OutputLock(os.path.expanduser(out)).probe()
+
+
+def check_earlier_run(training_args) -> None:
+    """An output_dir holding an earlier run is refused unless this run resumes it or asks to start over: the new
+    run's checkpoints would silently replace and interleave with the old ones."""
+    out = training_args.output_dir
+    if not os.path.isdir(out) or training_args.resume_from_checkpoint:
+        return
+    ckpts = sorted((n for n in os.listdir(out) if CHECKPOINT_DIR.match(n)), key=lambda n: int(n.split("-")[1]))
+    finished = [n for n in ("trainer_state.json", "model.safetensors", "adapter_model.safetensors",
+                            "model.safetensors.index.json") if os.path.exists(os.path.join(out, n))]
+    if not ckpts and not finished:
+        return
+    if training_args.overwrite_output_dir:
+        for n in ckpts:
+            shutil.rmtree(os.path.join(out, n))
+        logger.warning("overwrite_output_dir: removed %s of the earlier run in %s", ", ".join(ckpts) or "nothing", out)
+        return
+    what = f"checkpoints up to {ckpts[-1]}" if ckpts else f"a finished run ({finished[0]})"
+    raise OutputBusy(f"output_dir {out!r} holds {what} of an earlier run. Continue it with resume_from_checkpoint: "
+                     f"true, start over with overwrite_output_dir: true (its checkpoints are removed first), or choose "
+                     f"another output_dir.")
+
+
+def check_model_fits_data(model_args, data_args, model_config) -> None:
+    text = getattr(model_config, "text_config", None) or model_config
+    positions = getattr(text, "max_position_embeddings", None)
+    if positions and data_args.max_seq_length > positions:
+        raise ConfigError(f"max_seq_length={data_args.max_seq_length} is longer than the model's "
+                          f"{positions} positions (max_position_embeddings): use max_seq_length <= {positions}")
+
+
+def final_output_bytes(model_args, model_config) -> int:
+    """Bytes the run writes at its end: the model; with LoRA the adapters (fp32, peft's default) and, but for QLoRA,
+    the merged model beside them."""
+    from .models import DTYPES
+    from .planner import ModelShape
+
+    try:
+        shape = ModelShape.from_config(model_config)
+        params = shape.params
+    except (AttributeError, TypeError):  # an architecture the planner does not know: no estimate
+        return 0
+    model = params * DTYPES[model_args.torch_dtype].itemsize
+    if model_args.lora_r:
+        adapters = 4 * model_args.lora_r * shape.layers * sum(i + o for i, o in shape.linear_shapes().values())
+        model = adapters + (0 if getattr(model_args, "load_in_4bit", False) else model)
+    return int(model * 1.05) + 2**20
+
+
+def build_trainer(model_args, data_args, training_args, model_config):
+    """(trainer, tokenizer, eval dataset): data, model and the OffloadTrainer over them."""
     if getattr(model_config, "vision_config", None) is not None:
         raise ConfigError(f"{model_args.model_name_or_path or model_args.model_config} is a vision-language model: "
                           f"`offload-trainer plan` plans it, but `train` has no image data pipeline yet (text alone "
                           f"would skip its cross-attention layers). Train it from Python with LayerSwap and inputs "
                           f"that carry pixel_values, as bench/qlora_bench.py does.")
-
     from transformers import default_data_collator, set_seed
 
     from .data import build_datasets
     from .models import DTYPES, count_params, load_model, load_tokenizer, random_init_device
-    from .planner import SAVE_SHARD_BYTES
     from .trainer import OffloadTrainer
 
     set_seed(training_args.seed)
-    tokenizer = load_tokenizer(model_args)
-    vocab = model_config.vocab_size
-    train_ds, eval_ds = build_datasets(data_args, tokenizer, vocab_size=vocab, seed=training_args.seed)
+    with model_errors(model_args.tokenizer_name_or_path or model_args.model_name_or_path, "the tokenizer"):
+        tokenizer = load_tokenizer(model_args)
+    train_ds, eval_ds = build_datasets(data_args, tokenizer, vocab_size=model_config.vocab_size,
+                                       seed=training_args.seed)
     logger.info("data: %d training sequences of %d tokens%s", len(train_ds), data_args.max_seq_length,
                 f", {len(eval_ds)} held out" if eval_ds else "")
-
     swap = str(training_args.layer_swap) != "off"
     init_device = None  # a random-init model is built where it will train, when it fits there (not swapped)
     if not (model_args.model_name_or_path or getattr(model_args, "load_in_4bit", False) or swap):
         init_device = random_init_device(model_config, DTYPES[model_args.torch_dtype], training_args.device,
                                          training_args.gpu_memory_limit_gb)
-    model = load_model(model_args, gradient_checkpointing=training_args.gradient_checkpointing, layerwise=swap,
-                       init_device=init_device)
+    with model_errors(model_args.model_name_or_path, "the weights"):
+        model = load_model(model_args, gradient_checkpointing=training_args.gradient_checkpointing, layerwise=swap,
+                           init_device=init_device)
     logger.info("model: %s, %.1fM parameters, %s", model_args.model_name_or_path or model_args.model_config,
                 count_params(model) / 1e6, model_args.torch_dtype)
     # The blocks are packed to one length: stacking them is all a collator has to do. (The Trainer's default with a
     # tokenizer, DataCollatorWithPadding, took ~6 ms per 4 x 2048 batch in tokenizer.pad, at every step's start.)
     trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
                              processing_class=tokenizer, data_collator=default_data_collator)
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    if eval_ds is not None:
-        metrics = trainer.evaluate()
-        logger.info("eval loss %.4f", metrics["eval_loss"])
-    trainer.save_model()
-    trainer.save_state()
-    out = training_args.output_dir
-    if model_args.lora_r:  # adapters are in out/; a merged model that plain transformers loads goes to out/merged
-        merged = os.path.join(out, "merged")
-        trainer.model.merge_and_unload().save_pretrained(merged, max_shard_size=SAVE_SHARD_BYTES)
-        tokenizer.save_pretrained(merged)
-    write_plots(out)
-    logger.info("saved to %s", out)
-    return out
+    return trainer, tokenizer, eval_ds
+
+
+def write_outputs(trainer, tokenizer, model_args) -> None:
+    """The trained model (adapters first with LoRA, each save staged so a failed one leaves nothing complete-looking),
+    the trainer state, the plots; pushed to the Hub only once everything is written."""
+    from .outputs import staged_save
+    from .planner import SAVE_SHARD_BYTES
+
+    args = trainer.args
+    push, args.push_to_hub = args.push_to_hub, False
+    if args.should_save:  # again, now: the checkpoints took their share since the start
+        check_space(args.output_dir, final_output_bytes(model_args, trainer.model.config), "the trained model")
+    try:
+        trainer.save_model()
+        trainer.save_state()
+        if model_args.lora_r and getattr(model_args, "load_in_4bit", False):
+            logger.info("QLoRA: the adapters are in %s. No merged model is written: merging into NF4 weights rounds "
+                        "the update away. Load the bf16 base, then peft's PeftModel.from_pretrained(base, %r) and "
+                        "merge_and_unload().", args.output_dir, args.output_dir)
+        elif model_args.lora_r:  # a merged model that plain transformers loads goes to out/merged
+            merged = os.path.join(args.output_dir, "merged")
+            with staged_save(merged, "the merged model") as staging:
+                trainer.model.merge_and_unload().save_pretrained(staging, max_shard_size=SAVE_SHARD_BYTES)
+                tokenizer.save_pretrained(staging)
+    finally:
+        args.push_to_hub = push
+    if push:
+        trainer.push_to_hub(commit_message="End of training")
+    write_plots(args.output_dir)
 
 
 def write_plots(output_dir: str) -> None:
@@ -139,6 +271,8 @@ def print_keys() -> None:
     own = {f for cls in (ModelArguments, DataArguments) for f in cls.__dataclass_fields__}
     own |= set(OffloadTrainingArguments.__dataclass_fields__) - set(
         OffloadTrainingArguments.__mro__[1].__dataclass_fields__)
+    from .config import valid_fields
+
     for name, f in sorted(valid_fields().items(), key=lambda kv: (kv[0] not in own, kv[0])):
         help_text = f.metadata.get("help", "") if name in own else "(TrainingArguments)"
         print(f"{name}\n{textwrap.indent(textwrap.fill(help_text, 88), '    ')}")
@@ -160,6 +294,13 @@ def use_expandable_segments() -> None:
         setter("expandable_segments:True")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of GPUs")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="offload-trainer", description="Full-finetune LLMs on one small GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -172,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     p_plan.add_argument("--json", action="store_true", help="machine-readable output")
     p_plan.add_argument("--host-gb", type=float, default=None,
                         help="plan for a machine with this much RAM (GiB; default: this machine's)")
-    p_plan.add_argument("--gpus", type=int, default=None,
+    p_plan.add_argument("--gpus", type=positive_int, default=None,
                         help="plan data parallel over this many GPUs of this machine (torchrun --nproc_per_node N)")
     p_report = sub.add_parser("report", help="write loss / throughput / memory plots of a run (PNG)")
     p_report.add_argument("output_dir")
@@ -213,10 +354,16 @@ def main(argv: list[str] | None = None) -> int:
             train(args.config, args.overrides)
     except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
         print(f"offload-trainer: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_INPUT
+    except StorageError as e:
+        print(f"offload-trainer: storage: {e}", file=sys.stderr)
+        return EXIT_STORAGE
+    except OutputBusy as e:
+        print(f"offload-trainer: busy: {e}", file=sys.stderr)
+        return EXIT_BUSY
     except TrainingStopped as e:
         print(f"offload-trainer: stopped: {e}", file=sys.stderr)
-        return 3
+        return EXIT_STOPPED
     except TrainingInterrupted as e:
         print(f"offload-trainer: interrupted: {e}", file=sys.stderr)
         return 128 + e.signum

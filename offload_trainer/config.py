@@ -131,6 +131,22 @@ for _first in "tTfF":
         0, ("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")))
 
 
+def _no_duplicate_keys(loader, node, deep=False):
+    """A mapping whose keys are unique: YAML lets the last of two equal keys win silently."""
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1}; the last would win silently): "
+                            f"keep one", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicate_keys)
+
+
 def _load(stream):
     return yaml.load(stream, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
 
@@ -151,18 +167,25 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
 
 
 def load_yaml(path: str) -> dict[str, Any]:
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a directory: give the YAML file inside it")
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # (-sig: a byte-order mark some editors write is not a key)
             cfg = _load(f)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}): save the config as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror}") from None
     except yaml.YAMLError as e:
         mark, ctx = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         opened = f" ({e.context} at line {ctx.line + 1})" if ctx is not None and getattr(e, "context", None) else ""
         raise ConfigError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}{opened}") from None
     if cfg is None:
-        cfg = {}
+        raise ConfigError(f"{path}: the config is empty; it needs at least model_config (or model_name_or_path), "
+                          f"e.g. copy configs/tiny-cpu.yaml")
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of key: value, not {type(cfg).__name__}")
     return cfg
@@ -175,6 +198,12 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> dict[st
     extra = parse_overrides(overrides or [])
     check_keys_and_types(extra, "override")
     cfg.update(extra)
+    from .limits import check_values
+
+    problems = check_values(cfg)
+    if problems:
+        raise ConfigError(f"{path or 'config'}: " + "; ".join(problems))
+    check_integrations(cfg)
     from .data import DataError, check_dataset_path
 
     try:
@@ -189,6 +218,34 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> dict[st
             raise ConfigError(f"model_name_or_path: directory {mp!r} does not exist")
     cfg.setdefault("output_dir", "outputs/run")
     return cfg
+
+
+def check_integrations(cfg: dict[str, Any]) -> None:
+    """A tracker named in report_to must be one the Trainer knows and installed; attn_implementation one that
+    transformers has (the Trainer and from_pretrained would fail only after the model loaded)."""
+    report = cfg.get("report_to")
+    names = [report] if isinstance(report, str) else list(report or [])
+    names = [n.strip() for x in names for n in str(x).split(",") if n.strip() not in ("", "none", "all")]
+    if names:
+        from transformers.integrations.integration_utils import (INTEGRATION_TO_CALLBACK,
+                                                                 get_available_reporting_integrations)
+
+        available = set(get_available_reporting_integrations())
+        for n in names:
+            if n not in INTEGRATION_TO_CALLBACK:
+                raise ConfigError(f"report_to: {n!r} is not a tracker the Trainer knows; known: "
+                                  f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, or none")
+            if n not in available:
+                raise ConfigError(f"report_to: {n!r} is not installed (pip install {n}), or set report_to: none")
+    attn = cfg.get("attn_implementation")
+    if attn not in (None, "sdpa", "eager") and "/" not in str(attn):  # ("org/kernel": a Hub kernel)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        known = [k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if "|" not in k] + ["eager"]
+        if attn not in known:
+            close = difflib.get_close_matches(str(attn), known, n=1)
+            raise ConfigError(f"attn_implementation={attn!r} is not one transformers has"
+                              + (f". Did you mean {close[0]!r}?" if close else "") + f" Known: {', '.join(known)}")
 
 
 def parse_args(cfg: dict[str, Any]):

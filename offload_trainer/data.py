@@ -12,14 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import DataError
 from .models import builtin_asset
 
 IGNORE_INDEX = -100  # label value that cross-entropy skips
 BUILTIN = {"builtin": "corpus.txt", "builtin-sft": "sft.jsonl"}
-
-
-class DataError(ValueError):
-    """Bad training data: the message names the file, the line and what to change."""
 
 
 def resolve_dataset_path(path: str) -> str:

@@ -1,9 +1,24 @@
-"""Errors that end a run with a sentence instead of a traceback (the CLI maps them to exit codes)."""
+"""Errors that end a run with a sentence instead of a traceback. The CLI maps each kind to its own exit code
+(`EXIT_CODES`), so a script can tell a bad input from a full disk from a busy output directory."""
 from __future__ import annotations
 
 
+class DataError(ValueError):
+    """Bad training data: the message names the file (or dataset), the line (or row) and what to change."""
+
+
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed from or written; the message says what is wrong and what to do."""
+    """A checkpoint that cannot be resumed from; the message says what is wrong and what to do."""
+
+
+class StorageError(OSError):
+    """The run cannot write its outputs: the disk is full (or would be), or output_dir is not writable. Nothing
+    complete-looking is left half-written; the message names the path, the bytes needed and the fix."""
+
+
+class OutputBusy(RuntimeError):
+    """output_dir belongs to another run: one still running (its lock is held), or an earlier one whose checkpoints
+    this run would silently replace."""
 
 
 class TrainingInterrupted(KeyboardInterrupt):

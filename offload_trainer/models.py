@@ -76,9 +76,27 @@ def architecture_config(name: str, overrides: dict | None = None):
         raise ValueError(f"model_config={name!r} is not a known architecture.{hint} "
                          f"Known: {', '.join(ARCHITECTURES)}")
     fields = copy.deepcopy(ARCHITECTURES[name])
-    fields.update(overrides or {})
     model_type = fields.pop("model_type")
+    if overrides:
+        _check_override_keys(name, AutoConfig.for_model(model_type, **fields), overrides)
+    fields.update(overrides or {})
     return AutoConfig.for_model(model_type, **fields)
+
+
+def _check_override_keys(name: str, base, overrides: dict) -> None:
+    """A config accepts any keyword (an unknown one becomes an attribute nobody reads): a typo in model_overrides
+    would be ignored silently. Each key must be a field of the architecture's config."""
+    import difflib
+    import inspect
+
+    known = set(base.to_dict()) | set(getattr(base, "attribute_map", {}))
+    known |= set(inspect.signature(type(base).__init__).parameters) - {"self", "kwargs"}
+    known |= set(ARCHITECTURES[name]) | {"rope_theta", "rope_scaling"}  # (read by __init__ through its **kwargs)
+    for key in overrides:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            raise ValueError(f"model_overrides: {key!r} is not a field of {name}'s {type(base).__name__}"
+                             + (f". Did you mean {close[0]!r}?" if close else ""))
 
 
 def load_tokenizer(model_args):
@@ -141,7 +159,16 @@ def load_model(model_args, *, gradient_checkpointing: bool = False, layerwise: b
             targets = [t.strip() for t in targets.split(",")]
         lora = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
                           target_modules=targets, task_type="CAUSAL_LM")
-        model = get_peft_model(model, lora)
+        try:
+            model = get_peft_model(model, lora)
+        except ValueError as e:
+            if "not found in the base model" not in str(e) and "No modules were targeted" not in str(e):
+                raise
+            from .config import ConfigError
+
+            names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise ConfigError(f"lora_target_modules={model_args.lora_target_modules!r} matches no module of the model;"
+                              f" its linear modules are named {', '.join(names)} (or use all-linear)") from None
     return model
 
 

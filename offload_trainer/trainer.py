@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import functools
 import logging
 import math
@@ -31,13 +30,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from .activations import enable_activation_offload
 from .args import (OffloadTrainingArguments, checkpointing_on, offload_conflict, several_gpus_conflict,
                    streams_optimizer)
-from .checkpoint import (STAGING_PREFIX, check_checkpoint, check_disk, clean_staging, load_optimizer_states,
+from .checkpoint import (STAGING_PREFIX, check_checkpoint, clean_staging, load_optimizer_states,
                          newest_complete_checkpoint, optimizer_shard_name, publish)
 from .config import ConfigError
 from .distributed import Sharding
-from .errors import CheckpointError, TrainingInterrupted, TrainingStopped
+from .errors import CheckpointError, StorageError, TrainingInterrupted, TrainingStopped
 from .loss import chunked_causal_lm_loss
 from .optim import StreamedAdamW8bit
+from .outputs import OutputLock, check_output_dir, check_space, disk_full, free_bytes, staged_save
 from .planner import SAVE_SHARD_BYTES, Machine, Plan, PlanError, device_state_setting, plan_from_args
 from .swap import LayerSwap
 from .sysinfo import gpu_budget_gib, rss_gib, trim_host_memory
@@ -164,6 +164,14 @@ class OffloadMixin:
 
     # -------------------------------------------------------------- plan
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
+        """The Trainer's train(), with output_dir locked against a second run for its duration."""
+        if not self.args.should_save:
+            return self._train(resume_from_checkpoint, trial, **kwargs)
+        check_output_dir(self.args.output_dir)
+        with OutputLock(self.args.output_dir):
+            return self._train(resume_from_checkpoint, trial, **kwargs)
+
+    def _train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         self._make_plan()
         resume_from_checkpoint = self._resolve_resume(resume_from_checkpoint)
         self._check_disk()
@@ -310,7 +318,8 @@ class OffloadMixin:
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         states = 2 * trainable * (1 + 4 / 256) if self._streaming else 8 * trainable
         # a new checkpoint is written in full before the previous one can be rotated out
-        check_disk(self.args.output_dir, int((weights + states) * 1.05) + 2**20)
+        check_space(self.args.output_dir, int((weights + states) * 1.05) + 2**20, "one checkpoint (weights and "
+                    "optimizer states; or set save_strategy: 'no', and save the model yourself)")
 
     def _get_output_dir(self, trial):
         return getattr(self, "_staging_run_dir", None) or super()._get_output_dir(trial)
@@ -332,14 +341,14 @@ class OffloadMixin:
             if main:
                 publish(os.path.join(staging, name), os.path.join(run_dir, name))
             self.accelerator.wait_for_everyone()
-        except OSError as e:
-            if e.errno != errno.ENOSPC:
+        except Exception as e:  # torch.save and safetensors report a full disk in their own words
+            if not disk_full(e, run_dir):
                 raise
             prev = newest_complete_checkpoint(run_dir)
-            raise CheckpointError(f"out of disk space while saving {name} in {run_dir!r} "
-                                  f"({shutil.disk_usage(run_dir).free / 2**30:.2f} GiB free); nothing was "
-                                  f"published. " + (f"The previous checkpoint {prev} is intact. " if prev else "")
-                                  + "Free some space and resume with resume_from_checkpoint: true.") from None
+            raise StorageError(f"out of disk space while saving {name} in {run_dir!r} "
+                               f"({free_bytes(run_dir) / 2**30:.2f} GiB free); nothing was "
+                               f"published. " + (f"The previous checkpoint {prev} is intact. " if prev else "")
+                               + "Free some space and resume with resume_from_checkpoint: true.") from None
         finally:
             self._staging_run_dir = None
             if main:
@@ -657,11 +666,19 @@ class OffloadMixin:
             self._swap.synchronize()
 
     def save_model(self, output_dir=None, _internal_call=False):
+        """The Trainer's save; a user's (not a checkpoint's, which is staged as a whole) is written into a staging
+        directory and moved into place once complete, then pushed if `push_to_hub` (the Trainer pushes output_dir,
+        which must hold the new files by then)."""
         self._synchronize()
         with warnings.catch_warnings(), smaller_shards(self.accelerator.unwrap_model(self.model), SAVE_SHARD_BYTES):
             # swapped layers are in host memory, not on disk: nothing to warn about
             warnings.filterwarnings("ignore", message="Attempting to save a model with offloaded modules")
-            return super().save_model(output_dir, _internal_call)
+            if _internal_call or not self.args.should_save:
+                return super().save_model(output_dir, _internal_call)
+            with staged_save(output_dir or self.args.output_dir, "the model") as staging:
+                super().save_model(staging, _internal_call=True)
+        if self.args.push_to_hub:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def evaluate(self, *args, **kwargs):
         self._synchronize()

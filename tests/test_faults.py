@@ -1,0 +1,343 @@
+"""Faults beyond a plain bad value, driven through the real command (`cli.main`, in-process): config files as
+editors and users produce them, out-of-range and non-finite numbers, broken model directories, output directories
+that are files, read-only, foreign or busy, incomplete checkpoints, and disks that really fill (a small tmpfs).
+
+After each: a sentence without a traceback, the exit code of its kind (2 input, 4 storage, 5 busy), nothing under
+output_dir changed, and where a checkpoint is involved the run resumed to the same losses. Each `ROWS` id (and each
+test named after an id) is a row of docs/bad-inputs.md."""
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from offload_trainer import cli
+from test_bad_inputs import (Case, copy_run, expect, log_to_current_stderr, no_model_load, stderr_of,  # noqa: F401
+                             trained)
+
+# id -> (config body, exit code, excerpt of the message); run with weights never loaded
+ROWS = {
+    "yaml-tab-indent": ("model_overrides:\n\t num_hidden_layers: 2\n", 2, "malformed YAML at line"),
+    "nan-learning-rate": ("learning_rate: .nan\n", 2, "learning_rate = nan: every number in a config must be finite"),
+    "inf-learning-rate": ("learning_rate: .inf\n", 2, "learning_rate = inf: every number in a config must be finite"),
+    "nan-weight-decay": ("weight_decay: .nan\n", 2, "weight_decay = nan: every number"),
+    "nan-max-grad-norm": ("max_grad_norm: .nan\n", 2, "max_grad_norm = nan: every number"),
+    "inf-epochs": ("num_train_epochs: .inf\nmax_steps: -1\n", 2, "num_train_epochs = inf: every number"),
+    "zero-epochs": ("num_train_epochs: 0\nmax_steps: -1\n", 2, "num_train_epochs = 0: must be positive"),
+    "zero-max-steps": ("max_steps: 0\n", 2, "max_steps = 0: must be -1 (num_train_epochs decides) or a positive"),
+    "zero-batch-size": ("per_device_train_batch_size: 0\n", 2, "per_device_train_batch_size = 0: must be a positive"),
+    "negative-batch-size": ("per_device_train_batch_size: -2\n", 2, "per_device_train_batch_size = -2: must be"),
+    "zero-accumulation": ("gradient_accumulation_steps: 0\n", 2, "gradient_accumulation_steps = 0: must be"),
+    "negative-learning-rate": ("learning_rate: -1.0e-3\n", 2, "learning_rate = -0.001: must be zero or more"),
+    "beta-above-one": ("adam_beta1: 1.5\n", 2, "adam_beta1 = 1.5: must be at least 0 and below 1"),
+    "seed-out-of-range": ("seed: 5000000000\n", 2, "seed = 5000000000: must be from 0 to 4294967295"),
+    "zero-sequence-length": ("max_seq_length: 0\n", 2, "max_seq_length = 0: must be at least 8 tokens"),
+    "override-typo": ("model_overrides: {num_hidden_layer: 2}\n", 2,
+                      "model_overrides: 'num_hidden_layer' is not a field of tiny-llama's LlamaConfig. Did you mean "
+                      "'num_hidden_layers'?"),
+    "empty-output-dir": ("output_dir: ''\n", 2, "output_dir is empty"),
+    "tracker-not-installed": ("report_to: wandb\n", 2, "report_to: 'wandb' is not installed (pip install wandb)"),
+    "unknown-tracker": ("report_to: tensorbored\n", 2, "report_to: 'tensorbored' is not a tracker the Trainer knows"),
+    "unknown-attention": ("attn_implementation: flash\n", 2, "attn_implementation='flash' is not one transformers has"),
+    "hub-id-offline": ("model_name_or_path: some-org/no-such-model\nmodel_config: null\n", 2,
+                       "model_name_or_path 'some-org/no-such-model': cannot load its config"),
+}
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_rows(row, tmp_path, capsys, no_model_load):
+    body, rc, needle = ROWS[row]
+    expect(Case(tmp_path, body), capsys, rc, needle)
+
+
+def write_config(tmp_path: Path, content: bytes) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    return path
+
+
+def run_config(path: Path, capsys, *argv) -> tuple[int, str]:
+    log_to_current_stderr()
+    rc = cli.main(["train", str(path), *argv])
+    return rc, stderr_of(capsys)
+
+
+def test_yaml_duplicate_key(tmp_path, capsys, no_model_load):
+    case = Case(tmp_path)
+    case.config.write_text(case.config.read_text() + "learning_rate: 0.1\n")  # (the last would win silently)
+    rc, err = run_config(case.config, capsys)
+    assert rc == 2 and "duplicate key 'learning_rate' (first at line 9; the last would win silently)" in err, err
+
+
+def test_yaml_top_level_list(tmp_path, capsys, no_model_load):
+    rc, err = run_config(write_config(tmp_path, b"- model_config: tiny-llama\n"), capsys)
+    assert rc == 2 and "the top level must be a mapping of key: value, not list" in err
+
+
+def test_yaml_empty_file(tmp_path, capsys, no_model_load):
+    rc, err = run_config(write_config(tmp_path, b""), capsys)
+    assert rc == 2 and "the config is empty" in err
+
+
+def test_config_not_utf8(tmp_path, capsys, no_model_load):
+    rc, err = run_config(write_config(tmp_path, "model_config: tiny-llama\n# caf\xe9\n".encode("latin-1")), capsys)
+    assert rc == 2 and "not UTF-8 text" in err
+
+
+def test_config_is_a_directory(tmp_path, capsys, no_model_load):
+    rc, err = run_config(tmp_path, capsys)
+    assert rc == 2 and "is a directory: give the YAML file inside it" in err
+
+
+def test_plan_negative_gpus(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", str(write_config(tmp_path, b"model_config: tiny-llama\n")), "--gpus", "-2"])
+    assert e.value.code == 2 and "-2 is not a positive number of GPUs" in capsys.readouterr().err
+
+
+def test_config_with_bom_and_crlf_trains(tmp_path, capsys):
+    """A config saved by a Windows editor: a byte-order mark and CRLF line ends (a path with a space and non-ASCII
+    letters too)."""
+    case = Case(tmp_path)
+    out = tmp_path / "sortie été"
+    text = case.config.read_text().replace(str(case.out), str(out)).replace("max_steps: 2", "max_steps: 1")
+    case.config.write_bytes(b"\xef\xbb\xbf" + text.replace("\n", "\r\n").encode())
+    rc, err = run_config(case.config, capsys)
+    assert rc == 0, err
+    assert (out / "model.safetensors").exists()
+
+
+def test_tilde_in_paths(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "data.txt").write_text("a few words of text\n" * 50)
+    case = Case(tmp_path, "dataset_path: ~/data.txt\noutput_dir: ~/run\nmax_steps: 1\nsave_strategy: 'no'\n")
+    rc, err = run_config(case.config, capsys)
+    assert rc == 0, err
+    assert (tmp_path / "run" / "model.safetensors").exists() and not (Path.cwd() / "~").exists()
+
+
+# ---------------------------------------------------------------------------------------------------- the model
+def model_dir(tmp_path: Path, trained: Path, *, drop=(), damage=None) -> Path:
+    """A copy of a trained model directory (config, weights, tokenizer) with files removed or damaged."""
+    d = tmp_path / "model"
+    shutil.copytree(trained / "checkpoint-2", d)
+    for name in drop:
+        (d / name).unlink()
+    if damage:
+        name, fn = damage
+        (d / name).write_bytes(fn((d / name).read_bytes()))
+    return d
+
+
+MODEL_ROWS = {
+    "empty-model-dir": (dict(drop=None), "cannot load its config"),
+    "corrupt-model-config": (dict(damage=("config.json", lambda b: b[:40])), "cannot load its config"),
+    "missing-model-weights": (dict(drop=("model.safetensors",)), "cannot load the weights"),
+    "truncated-model-weights": (dict(damage=("model.safetensors", lambda b: b[: len(b) // 3])),
+                                "cannot load the weights"),
+    "missing-tokenizer": (dict(drop=("tokenizer.json", "tokenizer_config.json")), "cannot load the tokenizer"),
+}
+
+
+@pytest.mark.parametrize("row", list(MODEL_ROWS))
+def test_model_rows(row, trained, tmp_path, capsys):
+    kw, needle = MODEL_ROWS[row]
+    if kw.get("drop", ()) is None:
+        d = tmp_path / "model"
+        d.mkdir()
+    else:
+        d = model_dir(tmp_path, trained, **kw)
+    expect(Case(tmp_path, f"model_name_or_path: {d}\nmodel_config: null\nmodel_overrides: null\n"), capsys, 2,
+           f"model_name_or_path '{d}'", needle)
+
+
+def test_lora_targets_match_nothing(tmp_path, capsys):
+    expect(Case(tmp_path, "lora_r: 4\nlora_target_modules: qq_proj\n"), capsys, 2,
+           "lora_target_modules='qq_proj' matches no module of the model; its linear modules are named", "q_proj")
+
+
+# ---------------------------------------------------------------------------------------------------- output_dir
+def test_output_dir_is_a_file(tmp_path, capsys, no_model_load):
+    (tmp_path / "out").write_text("notes")
+    expect(Case(tmp_path), capsys, 4, "is a file, not a directory")
+    assert (tmp_path / "out").read_text() == "notes"
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(path: Path, size: str, *options: str):
+    """A tmpfs of `size` at `path` (mounting needs root or CAP_SYS_ADMIN; else the test is skipped, saying so)."""
+    path.mkdir(parents=True, exist_ok=True)
+    opts = ",".join((f"size={size}", *options))
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode}): needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_output_dir_read_only_filesystem(tmp_path, capsys, no_model_load):
+    with mounted_tmpfs(tmp_path / "ro", "1m", "ro"):
+        case = Case(tmp_path, f"output_dir: {tmp_path / 'ro' / 'run'}\n")
+        expect(case, capsys, 4, "cannot write to output_dir", "the filesystem is read-only")
+
+
+def test_output_dir_not_writable_by_the_user(tmp_path, capsys):
+    """As a user who may not write there. Root writes anywhere: as root the command runs in a process without the
+    capabilities that override file permissions (setpriv), which then apply to it as to any user."""
+    out = tmp_path / "theirs"
+    out.mkdir()
+    out.chmod(0o555)
+    case = Case(tmp_path, f"output_dir: {out}\n")
+    if os.geteuid():
+        return expect(case, capsys, 4, "cannot write to output_dir", "permission denied")
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv (util-linux): cannot drop the permission override")
+    code = f"import sys; from offload_trainer import cli; sys.exit(cli.main(['train', {str(case.config)!r}]))"
+    r = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-c", code],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 4, r.stderr[-3000:]
+    assert "cannot write to output_dir" in r.stderr and "permission denied" in r.stderr
+    assert "Traceback" not in r.stderr and not any(out.iterdir())
+
+
+def hold_lock(out: Path):
+    """Another process holding output_dir's lock, as a running `offload-trainer train` does."""
+    out.mkdir(parents=True, exist_ok=True)
+    code = ("import fcntl, os, sys, time\n"
+            f"fd = os.open({str(out / '.offload-trainer.lock')!r}, os.O_RDWR | os.O_CREAT)\n"
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode())\n"
+            "print('held', flush=True); time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "held"
+    return p
+
+
+def test_output_dir_busy(tmp_path, capsys):
+    """A second `offload-trainer train` on a directory in use refuses at once: measured as a new process, the
+    command's whole run including Python's start."""
+    case = Case(tmp_path)
+    holder = hold_lock(case.out)
+    try:
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-m", "offload_trainer.cli", "train", str(case.config)],
+                           capture_output=True, text=True, timeout=60)
+        took = time.perf_counter() - t0
+        rc, err = case.run(capsys)  # and in-process, the same answer
+    finally:
+        holder.kill()
+    assert r.returncode == 5 and f"is in use by another run (pid {holder.pid})" in r.stderr, r.stderr[-2000:]
+    assert took < 1.0, f"took {took:.2f} s"
+    assert rc == 5 and "is in use by another run" in err and case.unchanged
+
+
+def test_output_dir_holds_an_earlier_run(trained, tmp_path, capsys):
+    case = copy_run(trained, tmp_path)
+    expect(case, capsys, 5, "holds checkpoints up to checkpoint-2 of an earlier run",
+           "resume_from_checkpoint: true", "overwrite_output_dir: true")
+
+
+def test_overwrite_output_dir(trained, tmp_path, capsys):
+    case = copy_run(trained, tmp_path)
+    before = json.loads((case.out / "checkpoint-2" / "trainer_state.json").read_text())
+    rc, err = case.run(capsys, "overwrite_output_dir=true", "max_steps=1", "save_steps=1")
+    assert rc == 0 and "overwrite_output_dir: removed checkpoint-1, checkpoint-2" in err
+    assert sorted(p.name for p in case.out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
+    assert before["global_step"] == 2
+
+
+# ---------------------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("row, name", [("checkpoint-without-optimizer", "optimizer.pt"),
+                                       ("checkpoint-without-scheduler", "scheduler.pt"),
+                                       ("checkpoint-without-rng-state", "rng_state.pth")])
+def test_checkpoint_missing_a_file(row, name, trained, tmp_path, capsys):
+    case = copy_run(trained, tmp_path)
+    (case.out / "checkpoint-2" / name).unlink()
+    expect(case, capsys, 2, "is incomplete: its", f"({name}) is missing",
+           argv=[f"resume_from_checkpoint={case.out / 'checkpoint-2'}", "max_steps=4"])
+
+
+def test_resume_from_a_run_directory(trained, tmp_path, capsys):
+    case = copy_run(trained, tmp_path)
+    expect(case, capsys, 2, "it is a run's output directory, not one of its checkpoints",
+           argv=[f"resume_from_checkpoint={case.out}", "max_steps=4"])
+
+
+def losses(out: Path, step: int) -> list[float]:
+    state = json.loads((out / f"checkpoint-{step}" / "trainer_state.json").read_text())
+    return [h["loss"] for h in state["log_history"] if "loss" in h]
+
+
+@pytest.fixture(scope="module")
+def four_steps(tmp_path_factory) -> Path:
+    """The uninterrupted reference: 4 steps, checkpoints every step."""
+    case = Case(tmp_path_factory.mktemp("four"))
+    log_to_current_stderr()
+    assert cli.main(["train", str(case.config), "max_steps=4"]) == 0
+    return case.out
+
+
+@pytest.mark.parametrize("row, name, content", [
+    ("newest-checkpoint-empty-scheduler", "scheduler.pt", b""),
+    ("newest-checkpoint-empty-rng-state", "rng_state.pth", b""),
+    ("newest-checkpoint-empty-trainer-state", "trainer_state.json", b"{}"),
+])
+def test_damaged_newest_checkpoint_is_skipped(row, name, content, four_steps, tmp_path, capsys):
+    case = copy_run(four_steps, tmp_path)
+    (case.out / "checkpoint-4" / name).write_bytes(content)
+    rc, err = case.run(capsys, "resume_from_checkpoint=true", "max_steps=4")
+    assert rc == 0, err
+    assert "skipping checkpoint-4" in err and f"resuming from {case.out / 'checkpoint-3'}" in err
+    assert losses(case.out, 4) == losses(four_steps, 4)  # step 4 trained again from checkpoint-3: the same run
+
+
+# ---------------------------------------------------------------------------------------------------- a real full disk
+def test_disk_full_during_a_checkpoint(tmp_path, capsys):
+    """8 MiB hold two 3.2 MB checkpoints of the tiny model, not a third: the run stops with a sentence (exit 4), the
+    last complete checkpoint is intact, and with room again the run resumes to the losses of one never stopped."""
+    disk = tmp_path / "disk"
+    with mounted_tmpfs(disk, "8m"):
+        case = Case(tmp_path, f"output_dir: {disk / 'run'}\nmax_steps: 8\nsave_steps: 2\n")
+        rc, err = case.run(capsys)
+        assert rc == 4 and "out of disk space while saving checkpoint-6" in err, err[-2000:]
+        assert "The previous checkpoint" in err and "checkpoint-4 is intact" in err
+        assert sorted(p.name for p in (disk / "run").iterdir() if not p.name.startswith(".")) == [
+            "checkpoint-2", "checkpoint-4"]
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        rc, err = case.run(capsys, "resume_from_checkpoint=true")
+        assert rc == 0, err[-2000:]
+        resumed = losses(disk / "run", 8)
+    (tmp_path / "ref").mkdir()
+    ref = Case(tmp_path / "ref", "max_steps: 8\nsave_steps: 2\n")
+    assert ref.run(capsys)[0] == 0
+    assert resumed == losses(ref.out, 8)
+
+
+def test_disk_full_during_the_final_save(tmp_path, capsys):
+    """The checkpoints fit, the final model does not: exit 4 with the sentence, no model file in output_dir, the
+    last checkpoint intact; with room again, resuming it finishes the run (same losses, the model written)."""
+    disk = tmp_path / "disk"
+    with mounted_tmpfs(disk, "8m"):
+        case = Case(tmp_path, f"output_dir: {disk / 'run'}\nmax_steps: 4\nsave_steps: 2\n")
+        rc, err = case.run(capsys)
+        run = disk / "run"
+        assert rc == 4 and "for the trained model" in err, err[-2000:]
+        assert not (run / "model.safetensors").exists() and not (run / "config.json").exists()
+        before = losses(run, 4)
+        subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
+        rc, err = case.run(capsys, "resume_from_checkpoint=true")
+        assert rc == 0, err[-2000:]
+        assert (run / "model.safetensors").exists() and losses(run, 4) == before
+
+
+def test_save_strategy_no_still_checks_the_disk_for_the_model(tmp_path, capsys):
+    disk = tmp_path / "disk"
+    with mounted_tmpfs(disk, "1m"):
+        expect(Case(tmp_path, f"output_dir: {disk / 'run'}\nsave_strategy: 'no'\n"), capsys, 4,
+               "not enough disk in", "for the trained model")
