@@ -35,3 +35,28 @@ def smollm2_dir(tmp_path_factory):
     from offload_trainer.examples import export_smollm2
 
     return export_smollm2(str(tmp_path_factory.mktemp("models") / "smollm2-135m"))
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    import offload_trainer.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("weights were loaded before the error was reported")
+
+    monkeypatch.setattr(models, "load_model", boom)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A 2-step tiny run with checkpoint-1 and checkpoint-2 (copied by the checkpoint rows)."""
+    from cli_cases import Case, log_to_current_stderr
+    from offload_trainer import cli
+
+    tmp = tmp_path_factory.mktemp("trained")
+    case = Case(tmp)
+    log_to_current_stderr()
+    assert cli.main(["train", str(case.config)]) == 0
+    return case.out
+
+

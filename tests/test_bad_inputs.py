@@ -1,7 +1,6 @@
 """Every row of docs/bad-inputs.md: the message names the problem and the fix, no traceback for user errors,
 nothing on disk is damaged. Rows and tests are matched by id: a row without a test (or the reverse) fails."""
 import errno
-import hashlib
 import os
 import re
 import shutil
@@ -10,23 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from cli_cases import Case, copy_run, expect
 from offload_trainer import cli
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "bad-inputs.md"
-BASE = """model_config: tiny-llama
-model_overrides: {{num_hidden_layers: 2}}
-torch_dtype: float32
-dataset_path: {data}
-max_seq_length: 64
-output_dir: {out}
-max_steps: 2
-per_device_train_batch_size: 2
-learning_rate: 1.0e-3
-logging_steps: 1
-save_steps: 1
-report_to: none
-seed: 0
-"""
 
 
 def doc_rows() -> dict[str, str]:
@@ -36,93 +22,6 @@ def doc_rows() -> dict[str, str]:
         if line.startswith("| ") and cells[0] not in ("id", "---"):
             rows[cells[0]] = cells[-1]
     return rows
-
-
-def tree_hash(path: Path) -> dict[str, str]:
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()} if path.exists() else {}
-
-
-def with_keys(base: str, body: str) -> str:
-    """`base` with the top-level keys that `body` sets replaced by body's (a config may not repeat a key)."""
-    keys = set(re.findall(r"^(\w+):", body, re.M))
-    kept = [line for line in base.splitlines(keepends=True) if line.split(":")[0] not in keys]
-    return "".join(kept) + body
-
-
-class Case:
-    """One row: a config (BASE + body) run through `offload-trainer train`, its exit code and message."""
-
-    def __init__(self, tmp_path: Path, body: str = "", data: str = "builtin"):
-        self.tmp, self.out = tmp_path, tmp_path / "out"
-        self.config = tmp_path / "c.yaml"
-        self.config.write_text(with_keys(BASE.format(data=data, out=self.out), body))
-
-    def run(self, capsys, *argv) -> tuple[int, str]:
-        log_to_current_stderr()
-        before = tree_hash(self.out)
-        rc = cli.main(["train", str(self.config), *argv])
-        err = stderr_of(capsys)
-        self.unchanged = tree_hash(self.out) == before
-        return rc, err
-
-
-def stderr_of(capsys) -> str:
-    """What the command printed on stderr, checked for tracebacks. (pytest closes each test's captured stderr; a
-    library logger that kept an earlier one reports a "--- Logging error ---" with a traceback of its own: not ours,
-    those blocks are dropped.)"""
-    err = re.sub(r"--- Logging error ---.*?\nArguments: [^\n]*\n", "", capsys.readouterr().err, flags=re.S)
-    assert "Traceback" not in err, err[-4000:]
-    return err
-
-
-def expect(case: Case, capsys, rc: int, *needles: str, argv=(), untouched=True) -> str:
-    got_rc, err = case.run(capsys, *argv)
-    assert got_rc == rc, err
-    for n in needles:
-        assert n in err, f"{n!r} not in {err!r}"
-    if untouched:
-        assert case.unchanged, "files under output_dir changed"
-    return err
-
-
-def log_to_current_stderr() -> None:
-    """Library loggers keep the stderr of the test that first configured them; point them at the current one."""
-    import logging
-    import sys
-
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(lg, logging.Logger)]
-    for lg in loggers:
-        for h in lg.handlers:
-            if type(h) is logging.StreamHandler:  # not pytest's own capture handlers
-                h.stream = sys.stderr  # (setStream would flush the old, closed one)
-
-
-@pytest.fixture
-def no_model_load(monkeypatch):
-    import offload_trainer.models as models
-
-    def boom(*a, **k):
-        raise AssertionError("weights were loaded before the error was reported")
-
-    monkeypatch.setattr(models, "load_model", boom)
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory) -> Path:
-    """A 2-step tiny run with checkpoint-1 and checkpoint-2 (copied by the checkpoint rows)."""
-    tmp = tmp_path_factory.mktemp("trained")
-    case = Case(tmp)
-    log_to_current_stderr()
-    assert cli.main(["train", str(case.config)]) == 0
-    return case.out
-
-
-def copy_run(trained: Path, tmp_path: Path) -> Case:
-    case = Case(tmp_path)
-    shutil.copytree(trained, case.out)
-    return case
 
 
 # ---------------------------------------------------------------------------------------------------- config

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_cases import Case, copy_run, expect, log_to_current_stderr, stderr_of
 from offload_trainer import cli
-from test_bad_inputs import (Case, copy_run, expect, log_to_current_stderr, no_model_load, stderr_of,  # noqa: F401
-                             trained)
 
 # id -> (config body, exit code, excerpt of the message); run with weights never loaded
 ROWS = {
