@@ -133,23 +133,63 @@ class ModelArguments:
 
 @dataclass
 class DataArguments:
+    """What to train on. The keys TRL's SFTConfig / ScriptArguments users know keep TRL's names and meanings."""
+
     dataset_path: str = field(
         default="builtin",
-        metadata={"help": "A .txt or .jsonl file, 'builtin' (the small corpus shipped in the package), "
-                          "'builtin-sft' (prompt/completion pairs) or 'random' (random tokens, for benchmarks)."},
+        metadata={"help": "A local file (.txt, .jsonl, .json, .parquet, .csv, .arrow), a directory (of such files, or "
+                          "written by save_to_disk), a Hub dataset name (offline: from the HF cache), 'builtin' (the "
+                          "small corpus shipped in the package), 'builtin-sft' (prompt/completion pairs) or 'random' "
+                          "(random tokens, for benchmarks)."},
     )
-    max_seq_length: int = field(default=512, metadata={"help": "Tokens per packed training sequence."})
-    text_field: str = field(default="text", metadata={"help": "Field holding plain text in .jsonl records."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "TRL's name for dataset_path (give one of the two)."})
+    dataset_config: str | None = field(default=None, metadata={"help": "The dataset's configuration (Hub datasets)."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str | None = field(
+        default=None, metadata={"help": "Split to evaluate on (default: none, or eval_fraction of the train split)."})
     eval_fraction: float = field(
-        default=0.0, metadata={"help": "Fraction of packed sequences held out for evaluation (0 = none)."}
-    )
+        default=0.0, metadata={"help": "Fraction of the training records held out for evaluation, drawn at random "
+                                       "(seed) before packing, when there is no dataset_test_split (0 = none)."})
+    dataset_text_field: str = field(default="text", metadata={"help": "Column holding plain text."})
+    dataset_kwargs: dict | None = field(
+        default=None, metadata={"help": "Passed to datasets.load_dataset (e.g. {data_files: ..., builder: csv})."})
+    dataset_num_proc: int | None = field(
+        default=None, metadata={"help": "Processes that tokenize (datasets' num_proc; default: one)."})
+    streaming: bool = field(
+        default=False, metadata={"help": "Read the dataset as a stream (nothing loaded up front); needs max_steps."})
+    packing: bool = field(
+        default=True, metadata={"help": "Pack documents into rows of max_seq_length, each document kept apart "
+                                        "(its own positions, no attention across); false: one document per row, "
+                                        "padded per batch."})
+    packing_strategy: str = field(
+        default="bfd", metadata={"help": "bfd (TRL's default: whole documents, longer ones cut), bfd_split (their "
+                                         "overflow packed too) or wrapped (end to end, no padding)."})
+    max_seq_length: int = field(default=512, metadata={"help": "Tokens per training row (TRL: max_length)."})
+    assistant_only_loss: bool = field(
+        default=False, metadata={"help": "Chat 'messages': loss on the assistant turns only (the template's "
+                                         "{% generation %} markers, or turn by turn where it has none)."})
+    completion_only_loss: bool | None = field(
+        default=None, metadata={"help": "prompt/completion records: loss on the completion only (default, as TRL)."})
+    chat_template: str | None = field(
+        default=None, metadata={"help": "A Jinja chat template, or the path of a file holding one, instead of the "
+                                        "tokenizer's."})
     random_num_samples: int = field(default=256, metadata={"help": "Number of sequences when dataset_path=random."})
 
     def __post_init__(self) -> None:
+        if self.dataset_name is not None:
+            if self.dataset_path not in ("builtin", self.dataset_name):
+                raise ValueError(f"dataset_name={self.dataset_name!r} and dataset_path={self.dataset_path!r} name "
+                                 f"two datasets: give one")
+            self.dataset_path = self.dataset_name
         if self.max_seq_length < 8:
             raise ValueError(f"max_seq_length={self.max_seq_length} is too small: use at least 8")
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ValueError(f"eval_fraction={self.eval_fraction} must be in [0, 1)")
+        if self.packing_strategy not in ("bfd", "bfd_split", "wrapped"):
+            raise ValueError(f"packing_strategy={self.packing_strategy!r}: use bfd, bfd_split or wrapped")
+        if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
+            raise ValueError(f"dataset_num_proc={self.dataset_num_proc}: use 1 or more")
 
 
 @dataclass

@@ -104,6 +104,7 @@ def train(config: str, overrides: list[str]) -> str:
     conflict = several_gpus_conflict(training_args)
     if conflict:  # before any weight is loaded
         raise ConfigError(conflict)
+    check_data_and_steps(data_args, training_args)
     out = training_args.output_dir
     main_rank = int(os.environ.get("RANK", "0")) == 0
     if main_rank:
@@ -163,6 +164,12 @@ def check_earlier_run(training_args) -> None:
                      f"another output_dir.")
 
 
+def check_data_and_steps(data_args, training_args) -> None:
+    if data_args.streaming and training_args.max_steps <= 0:
+        raise ConfigError("streaming: true reads a dataset whose length is not known up front: set max_steps (the "
+                          "number of optimizer steps to train)")
+
+
 def check_model_fits_data(model_args, data_args, model_config) -> None:
     text = getattr(model_config, "text_config", None) or model_config
     positions = getattr(text, "max_position_embeddings", None)
@@ -196,19 +203,22 @@ def build_trainer(model_args, data_args, training_args, model_config):
                           f"`offload-trainer plan` plans it, but `train` has no image data pipeline yet (text alone "
                           f"would skip its cross-attention layers). Train it from Python with LayerSwap and inputs "
                           f"that carry pixel_values, as bench/qlora_bench.py does.")
-    from transformers import default_data_collator, set_seed
+    from transformers import set_seed
 
-    from .data import build_datasets
+    from .data import build_datasets, data_collator
     from .models import DTYPES, count_params, load_model, load_tokenizer, random_init_device
     from .trainer import OffloadTrainer
 
     set_seed(training_args.seed)
     with model_errors(model_args.tokenizer_name_or_path or model_args.model_name_or_path, "the tokenizer"):
         tokenizer = load_tokenizer(model_args)
-    train_ds, eval_ds = build_datasets(data_args, tokenizer, vocab_size=model_config.vocab_size,
-                                       seed=training_args.seed)
-    logger.info("data: %d training sequences of %d tokens%s", len(train_ds), data_args.max_seq_length,
-                f", {len(eval_ds)} held out" if eval_ds else "")
+    vocab = (getattr(model_config, "text_config", None) or model_config).vocab_size
+    # (rank 0 tokenizes, the others then read its cache)
+    train_ds, eval_ds = build_datasets(data_args, tokenizer, vocab_size=vocab, seed=training_args.seed,
+                                       main_process_first=lambda: training_args.main_process_first(desc="dataset"))
+    if hasattr(train_ds, "__len__"):
+        logger.info("data: %d training rows of up to %d tokens%s", len(train_ds), data_args.max_seq_length,
+                    f", {len(eval_ds)} held out" if eval_ds is not None and hasattr(eval_ds, "__len__") else "")
     swap = str(training_args.layer_swap) != "off"
     init_device = None  # a random-init model is built where it will train, when it fits there (not swapped)
     if not (model_args.model_name_or_path or getattr(model_args, "load_in_4bit", False) or swap):
@@ -219,10 +229,11 @@ def build_trainer(model_args, data_args, training_args, model_config):
                            init_device=init_device)
     logger.info("model: %s, %.1fM parameters, %s", model_args.model_name_or_path or model_args.model_config,
                 count_params(model) / 1e6, model_args.torch_dtype)
-    # The blocks are packed to one length: stacking them is all a collator has to do. (The Trainer's default with a
-    # tokenizer, DataCollatorWithPadding, took ~6 ms per 4 x 2048 batch in tokenizer.pad, at every step's start.)
+    # Packed rows are all one length: stacking them is all a collator has to do. (The Trainer's default with a
+    # tokenizer, DataCollatorWithPadding, took ~6 ms per 4 x 2048 batch in tokenizer.pad, at every step's start, and
+    # would add an attention mask, which turns off the per-document masks that position_ids give.)
     trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
-                             processing_class=tokenizer, data_collator=default_data_collator)
+                             processing_class=tokenizer, data_collator=data_collator(data_args, tokenizer))
     return trainer, tokenizer, eval_ds
 
 

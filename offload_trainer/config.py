@@ -94,12 +94,39 @@ def _admits_float(tp: Any) -> bool:
 _WORD_BOOLS = {"yes": True, "on": True, "no": False, "off": False}
 
 
+# Other names for our keys, with the same meaning: accepted as they are (TRL's SFTConfig, our earlier names).
+ALIASES = {"max_length": "max_seq_length", "text_field": "dataset_text_field"}
+# Keys of other fine-tuning tools (axolotl, LLaMA-Factory, TRL's script arguments) whose meaning differs enough
+# from ours that a silent alias could mislead: the error names what to write instead.
+FOREIGN_KEYS = {
+    "base_model": "model_name_or_path", "model_name": "model_name_or_path", "micro_batch_size":
+    "per_device_train_batch_size", "batch_size": "per_device_train_batch_size", "sequence_len": "max_seq_length",
+    "cutoff_len": "max_seq_length", "sample_packing": "packing", "val_set_size": "eval_fraction (a fraction of the "
+    "records; axolotl's val_set_size below 1 means the same)", "train_on_inputs": "completion_only_loss / "
+    "assistant_only_loss (their opposite: train_on_inputs: false is completion_only_loss: true)", "dtype":
+    "torch_dtype (bfloat16, float32 or float16)", "use_peft": "lora_r (a rank > 0 turns LoRA on)", "lora_rank":
+    "lora_r", "epochs": "num_train_epochs", "lr": "learning_rate", "datasets": "dataset_path (one dataset)",
+    "dataset": "dataset_path", "finetuning_type": "lora_r (0 = full finetune)", "load_in_8bit": "load_in_4bit "
+    "(QLoRA in NF4; 8-bit bases are not supported)", "gradient_accumulation": "gradient_accumulation_steps",
+    "warmup_ratio": "warmup_steps (below 1 it is a ratio in transformers 5)", "lora_target": "lora_target_modules",
+}
+
+
 def check_keys_and_types(cfg: dict[str, Any], source: str) -> None:
     """Raise ConfigError on an unknown key or a value of the wrong type (fixes '1e-4' in place: YAML 1.1
-    reads exponent floats without a dot as strings)."""
+    reads exponent floats without a dot as strings). Aliases are renamed to our keys in place."""
     fields = valid_fields()
+    for alias, key in ALIASES.items():
+        if alias in cfg:
+            if key in cfg and cfg[key] != cfg[alias]:
+                raise ConfigError(f"{source}: {alias!r} (another name for {key!r}) = {cfg[alias]!r} and {key!r} = "
+                                  f"{cfg[key]!r}: give one")
+            cfg[key] = cfg.pop(alias)
     for key, value in list(cfg.items()):
         if key not in fields:
+            if key in FOREIGN_KEYS:
+                raise ConfigError(f"{source}: unknown key {key!r} (a key of another fine-tuning tool); here it is "
+                                  f"{FOREIGN_KEYS[key]}")
             close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
             hint = f" Did you mean {close[0]!r}?" if close else " `offload-trainer keys` lists them all."
             raise ConfigError(f"{source}: unknown key {key!r}.{hint}")
@@ -207,7 +234,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> dict[st
     from .data import DataError, check_dataset_path
 
     try:
-        check_dataset_path(cfg.get("dataset_path", "builtin"))
+        check_dataset_path(cfg.get("dataset_name") or cfg.get("dataset_path", "builtin"))
     except DataError as e:
         raise ConfigError(str(e)) from None
     mp = cfg.get("model_name_or_path")

@@ -149,8 +149,9 @@ def load_model(model_args, *, gradient_checkpointing: bool = False, layerwise: b
         config._attn_implementation = model_args.attn_implementation
         with torch.device(init_device or "cpu"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if gradient_checkpointing:
-        model.config.use_cache = False
+    # Training never reads a KV cache, and one built in forward turns off transformers' per-document masks of packed
+    # rows (it detects packing from position_ids only without a cache).
+    model.config.use_cache = False
     if model_args.lora_r:
         from peft import LoraConfig, get_peft_model
 

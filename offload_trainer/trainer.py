@@ -456,15 +456,14 @@ class OffloadMixin:
         lora = sum(p.numel() for p in self.model.parameters() if p.requires_grad) if peft else 0
         bits = 4 if getattr(self.model.get_base_model() if peft else self.model, "is_loaded_in_4bit", False) else 16
         config = getattr(self.model, "config", None)
-        sample = self.train_dataset[0] if self.train_dataset is not None and len(self.train_dataset) else None
-        if config is None or not isinstance(sample, dict) or "input_ids" not in sample:
+        seq = self._longest_row()
+        if config is None or not seq:
             return
         # no cap given: plan for the card (its free memory and what the model already holds), so the switches left
         # unset (gradient and activation offload, layer swap, states kept on the GPU) suit it
         gpu_gb = getattr(self.args, "gpu_memory_limit_gb", None) or gpu_budget_gib(Machine().cuda_context_gib)
         try:
-            self._plan = plan_from_args(self.args, config, len(sample["input_ids"]), gpu_gb=gpu_gb, lora_params=lora,
-                                        weight_bits=bits)
+            self._plan = plan_from_args(self.args, config, seq, gpu_gb=gpu_gb, lora_params=lora, weight_bits=bits)
         except (AttributeError, TypeError):  # not a decoder-only LM config the planner knows
             return
         except PlanError as e:
@@ -474,6 +473,28 @@ class OffloadMixin:
                 logger.warning("the planner finds no plan that fits this GPU (%.1f GiB): %s", gpu_gb, e)
             return
         logger.info("plan:\n%s", self._plan.table())
+
+    def _longest_row(self) -> int | None:
+        """Tokens in the longest row the training data can give, which the plan must hold: the configured maximum
+        (TRL's `max_length`) when there is one; else the longest `input_ids` of a `datasets.Dataset` (read from its
+        Arrow column, nothing decoded) or of the first 1,000 rows of another map-style dataset. None: no plan
+        (a stream without a maximum, or rows that are not token ids)."""
+        limit = getattr(self.args, "max_length", None) or getattr(self.args, "max_seq_length", None)
+        if isinstance(limit, int) and limit > 0:
+            return limit
+        ds = self.train_dataset
+        if ds is None or not hasattr(ds, "__len__") or not len(ds):
+            if ds is not None:
+                logger.info("plan: skipped -- a streaming dataset and no max_length to size it from")
+            return None
+        table = getattr(getattr(ds, "data", None), "table", None)
+        if table is not None and "input_ids" in table.column_names:
+            import pyarrow.compute as pc
+
+            return pc.max(pc.list_value_length(table.column("input_ids"))).as_py()
+        rows = [ds[i] for i in range(min(len(ds), 1000))]
+        lengths = [len(r["input_ids"]) for r in rows if isinstance(r, dict) and "input_ids" in r]
+        return max(lengths) if lengths else None
 
     def _resolved(self, name: str) -> bool:
         value = self._flag(name)
@@ -647,7 +668,7 @@ class OffloadMixin:
         decoder, head = parts
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        hidden = decoder(**inputs)[0]
+        hidden = decoder(**inputs, use_cache=False)[0]  # (a cache would also turn off packed rows' masks)
         if not self.model_accepts_loss_kwargs:
             num_items_in_batch = None  # as the Trainer does: the model's loss would be a per-batch mean
         loss = chunked_causal_lm_loss(hidden, labels, head.weight, head.bias, chunk_size=chunk,

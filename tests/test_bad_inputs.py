@@ -32,7 +32,7 @@ CONFIG_ROWS = {
     "missing-model-path": ("model_name_or_path: ./no/such/model\nmodel_config: null\n",
                            "directory './no/such/model' does not exist"),
     "unknown-architecture": ("model_config: llama9\n", "'llama9' is not a known architecture. Did you mean"),
-    "missing-data": ("dataset_path: /nonexistent/data.jsonl\n", "file '/nonexistent/data.jsonl' does not exist"),
+    "missing-data": ("dataset_path: /nonexistent/data.jsonl\n", "'/nonexistent/data.jsonl' does not exist"),
     "optim-not-adamw": ("offload_optimizer: true\noptim: sgd\n",
                         "offload_optimizer=True streams 8-bit AdamW states, but optim='sgd'"),
     "activation-offload-without-checkpointing": ("activation_offload: true\n",
@@ -78,7 +78,7 @@ def test_no_model(tmp_path, capsys, no_model_load):
 @pytest.mark.parametrize("row, content, needle", [
     ("empty-dataset", "", "no records (the file is empty)"),
     ("malformed-jsonl", '{"text": "a b c"}\n{"text": oops}\n', "data.jsonl:2: not valid JSON"),
-    ("record-without-text", '{"title": "x"}\n', "record has keys ['title']; expected 'text'"),
+    ("record-without-text", '{"title": "x"}\n', "records have columns ['title']; expected 'text'"),
 ])
 def test_data_rows(row, content, needle, tmp_path, capsys, no_model_load):
     data = tmp_path / "data.jsonl"
@@ -239,9 +239,9 @@ def test_every_row_has_a_test():
     rows = doc_rows()
     assert len(rows) >= 20
     here = Path(__file__).read_text() + (Path(__file__).parent / "test_faults.py").read_text()
-    from test_faults import MODEL_ROWS, ROWS as FAULT_ROWS
+    from test_faults import DATA_ROWS, MODEL_ROWS, ROWS as FAULT_ROWS, TRAINS
 
-    tested = set(CONFIG_ROWS) | set(FAULT_ROWS) | set(MODEL_ROWS) | set(re.findall(r'\("([a-z0-9-]+)", ', here)) | {
+    tested = set(CONFIG_ROWS) | set(FAULT_ROWS) | set(MODEL_ROWS) | set(DATA_ROWS) | set(TRAINS) | set(re.findall(r'\("([a-z0-9-]+)", ', here)) | {
         name[len("test_"):].replace("_", "-") for name in re.findall(r"^def (test_\w+)", here, re.M)}
     tested.add("interrupted")  # tests/test_checkpoint_kill.py::test_sigterm_saves_and_resumes
     missing = set(rows) - tested

@@ -42,7 +42,7 @@ BASE = "model_config: tiny-llama\noutput_dir: {out}\n"
     ("learning_rat: 1e-3\n", "unknown key 'learning_rat'. Did you mean 'learning_rate'?"),
     ("max_steps: ten\n", "key 'max_steps' = 'ten' (str) has the wrong type; expected int"),
     ("offload_optimizer: 3\n", "key 'offload_optimizer' = 3 (int) has the wrong type; expected bool or null"),
-    ("dataset_path: /nonexistent/data.jsonl\n", "file '/nonexistent/data.jsonl' does not exist"),
+    ("dataset_path: /nonexistent/data.jsonl\n", "'/nonexistent/data.jsonl' does not exist"),
     ("model_name_or_path: ./no/such/model\n", "directory './no/such/model' does not exist"),
     ("optim: sgd\noffload_optimizer: true\n", "offload_optimizer=True streams 8-bit AdamW states, but optim='sgd'"),
     ("offload_chunk_numel: 1000\n", "offload_chunk_numel=1000: use a multiple of 256"),

@@ -1,10 +1,36 @@
+"""The command's data path on `datasets`: every format from every container gives the same rows, labels token by
+token, packing that trains exactly as the documents one by one, TRL's packing as the oracle, the cache reused."""
 import json
+import os
+import shutil
 
 import pytest
+import torch
 
 from offload_trainer.args import DataArguments, ModelArguments
-from offload_trainer.data import IGNORE_INDEX, DataError, build_datasets, pack
+from offload_trainer.data import IGNORE_INDEX, DataError, build_datasets
 from offload_trainer.models import load_tokenizer
+
+CHAT = [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello friend"},
+        {"role": "user", "content": "two plus two?"}, {"role": "assistant", "content": "four"}]
+RECORDS = {
+    "text": [{"text": "the cat sat on the mat"}, {"text": "a dog ran"}, {"text": "birds fly south in winter"}],
+    "messages": [{"messages": CHAT}, {"messages": CHAT[:2]}],
+    "prompt_completion": [{"prompt": "What is 2 plus 2?", "completion": " 4."},
+                          {"prompt": "Name a colour.", "completion": " Blue."}],
+    "conversational_prompt_completion": [{"prompt": CHAT[:1], "completion": CHAT[1:2]},
+                                         {"prompt": CHAT[:3], "completion": CHAT[3:]}],
+    "tokenized": [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, {"input_ids": [9, 10, 11]}],
+}
+
+
+@pytest.fixture(autouse=True)
+def datasets_cache(tmp_path, monkeypatch):
+    """Each test its own datasets cache (the cache's reuse is tested on purpose below)."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+    datasets.disable_progress_bars()
 
 
 @pytest.fixture(scope="module")
@@ -12,63 +38,260 @@ def tok():
     return load_tokenizer(ModelArguments(model_config="tiny-llama"))
 
 
-def test_pack_pads_the_last_block_instead_of_dropping_it():
-    blocks = pack(list(range(10)), list(range(10)), 4, pad_id=99)
-    assert len(blocks) == 3
-    assert blocks[2]["input_ids"].tolist() == [8, 9, 99, 99]
-    assert blocks[2]["labels"].tolist() == [8, 9, IGNORE_INDEX, IGNORE_INDEX]
-    assert blocks[2]["attention_mask"].tolist() == [1, 1, 0, 0]
+def rows(ds) -> list[tuple[list, list]]:
+    return [(r["input_ids"].tolist(), r["labels"].tolist()) for r in ds]
 
 
-def test_builtin_corpus_and_sft(tok):
-    train, ev = build_datasets(DataArguments(max_seq_length=64, eval_fraction=0.1), tok, vocab_size=512)
-    assert len(train) > 100 and len(ev) >= 1
-    sft, _ = build_datasets(DataArguments(dataset_path="builtin-sft", max_seq_length=64), tok, vocab_size=512)
-    labels = sft[0]["labels"]
-    assert (labels == IGNORE_INDEX).any() and (labels != IGNORE_INDEX).any()  # loss on completions only
+def build(tok, path, **kw):
+    kw.setdefault("max_seq_length", 64)
+    return build_datasets(DataArguments(dataset_path=str(path), **kw), tok, vocab_size=512)
 
 
-def test_prompt_completion_masks_the_prompt(tmp_path, tok):
-    p = tmp_path / "d.jsonl"
-    p.write_text(json.dumps({"prompt": "What is 2 plus 2?", "completion": " 4."}) + "\n")
-    train, _ = build_datasets(DataArguments(dataset_path=str(p), max_seq_length=32), tok, vocab_size=512)
-    ids, labels = train[0]["input_ids"].tolist(), train[0]["labels"].tolist()
-    n_prompt = len(tok("What is 2 plus 2?", add_special_tokens=False)["input_ids"])
-    assert labels[:n_prompt] == [IGNORE_INDEX] * n_prompt
-    assert labels[n_prompt] == ids[n_prompt]
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
 
 
-def test_chat_messages_use_the_template(tmp_path, tok):
-    p = tmp_path / "chat.jsonl"
-    p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                          {"role": "assistant", "content": "hello"}]}) + "\n")
-    train, _ = build_datasets(DataArguments(dataset_path=str(p), max_seq_length=32), tok, vocab_size=512)
-    assert "<|assistant|>" in tok.decode(train[0]["input_ids"])
+# ---------------------------------------------------------------------------------------------------- containers
+def containers(tmp_path, records):
+    """The same records in every container the command reads (CSV only for flat string records)."""
+    import datasets
+
+    ds = datasets.Dataset.from_list(records)
+    out = {"jsonl": write_jsonl(tmp_path / "d.jsonl", records)}
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    out["parquet"] = tmp_path / "d.parquet"
+    if all(isinstance(v, str) for r in records for v in r.values()):
+        ds.to_csv(str(tmp_path / "d.csv"), index=False)
+        out["csv"] = tmp_path / "d.csv"
+    ds.save_to_disk(str(tmp_path / "saved"))
+    out["save_to_disk"] = tmp_path / "saved"
+    shutil.copy(next((tmp_path / "saved").glob("*.arrow")), tmp_path / "d.arrow")
+    out["arrow"] = tmp_path / "d.arrow"
+    (tmp_path / "repo" / "data").mkdir(parents=True)
+    ds.to_parquet(str(tmp_path / "repo" / "data" / "train-00000-of-00001.parquet"))
+    out["directory"] = tmp_path / "repo"
+    return out
 
 
-@pytest.mark.parametrize("content, needle", [
-    ('{"text": "ok"}\n{bad json\n', "d.jsonl:2: not valid JSON"),
-    ('{"text": "ok"}\n[1, 2]\n', "d.jsonl:2: expected a JSON object"),
-    ('{"body": "x"}\n', "d.jsonl:1: record has keys ['body']"),
-    ("\n\n", "no records (the file is empty)"),
-])
-def test_bad_records_name_file_and_line(tmp_path, tok, content, needle):
-    p = tmp_path / "d.jsonl"
-    p.write_text(content)
-    with pytest.raises(DataError, match=None) as e:
-        build_datasets(DataArguments(dataset_path=str(p), max_seq_length=32), tok, vocab_size=512)
-    assert needle in str(e.value)
+@pytest.mark.parametrize("fmt", list(RECORDS))
+def test_every_format_reads_the_same_from_every_container(fmt, tok, tmp_path):
+    records = RECORDS[fmt]
+    found = containers(tmp_path, records)
+    want = rows(build(tok, found.pop("jsonl"))[0])
+    assert want and all(ids for ids, _ in want)
+    for name, path in found.items():
+        assert rows(build(tok, path)[0]) == want, name
 
 
-def test_chat_without_template_is_a_clear_error(tmp_path, tok):
-    p = tmp_path / "chat.jsonl"
-    p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
-    tok2 = load_tokenizer(ModelArguments(model_config="tiny-llama"))
-    tok2.chat_template = None
-    with pytest.raises(DataError, match="need a tokenizer with a chat template"):
-        build_datasets(DataArguments(dataset_path=str(p), max_seq_length=32), tok2, vocab_size=512)
+def test_a_hub_dataset_works_offline_from_the_hf_cache(tok, tmp_path):
+    """A Hub name (`org/name`, split) read from the datasets cache, as after an earlier online run."""
+    import datasets
+    from datasets.packaged_modules.parquet.parquet import Parquet
+
+    src = tmp_path / "src.parquet"
+    datasets.Dataset.from_list(RECORDS["text"]).to_parquet(str(src))
+    builder = Parquet(data_files={"train": str(src)}, dataset_name="chat", cache_dir=datasets.config.HF_DATASETS_CACHE)
+    builder.download_and_prepare()
+    shutil.copytree(builder.cache_dir, os.path.join(datasets.config.HF_DATASETS_CACHE, "someorg___chat", "default",
+                                                    "0.0.0", "abc"))
+    got = rows(build_datasets(DataArguments(dataset_name="someorg/chat", max_seq_length=64), tok, vocab_size=512)[0])
+    assert got == rows(build(tok, write_jsonl(tmp_path / "d.jsonl", RECORDS["text"]))[0])
+    with pytest.raises(DataError, match="has no split 'validation'; it has train"):
+        build_datasets(DataArguments(dataset_name="someorg/chat", dataset_test_split="validation"), tok,
+                       vocab_size=512)
+
+
+# ---------------------------------------------------------------------------------------------------- labels
+def labelled(ids, labels):
+    return [t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]
+
+
+def unpacked(tok, path, **kw):
+    """One row per document, as tokenized (no packing: its labels are the record's own)."""
+    kw.setdefault("max_seq_length", 256)
+    return rows(build(tok, path, packing=False, **kw)[0])
+
+
+def test_assistant_only_labels_token_by_token(tok, tmp_path):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    (ids, labels), = unpacked(tok, path, assistant_only_loss=True)
+    assert ids == tok(tok.apply_chat_template(CHAT, tokenize=False), add_special_tokens=False)["input_ids"]
+    want = tok("hello friend<|endoftext|>\n", add_special_tokens=False)["input_ids"] + \
+        tok("four<|endoftext|>\n", add_special_tokens=False)["input_ids"]
+    assert labelled(ids, labels) == want
+    assert [t for t, lab in zip(ids, labels) if lab == t] == want  # labels are the ids themselves where trained
+    (all_ids, all_labels), = unpacked(tok, path)
+    assert all_ids == ids and all_labels == ids  # without assistant_only_loss: every token
+
+
+def test_assistant_only_from_generation_markers_matches_turn_by_turn(tok, tmp_path):
+    """The same template with {% generation %} markers: the tokenizer's assistant mask (what TRL uses) gives the same
+    labels as rendering turn by turn."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"messages": CHAT[:2]}])
+    marked = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
+              "{{ m['content'] }}<|endoftext|>\n{% endgeneration %}{% else %}{{ m['content'] }}<|endoftext|>\n"
+              "{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    assert unpacked(tok, path, assistant_only_loss=True, chat_template=marked) == \
+        unpacked(tok, path, assistant_only_loss=True)
+
+
+def test_completion_only_labels_token_by_token(tok, tmp_path):
+    path = write_jsonl(tmp_path / "pc.jsonl", RECORDS["prompt_completion"][:1])
+    (ids, labels), = unpacked(tok, path)
+    prompt = tok("What is 2 plus 2?", add_special_tokens=False)["input_ids"]
+    completion = tok(" 4.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert ids == prompt + completion and labels == [IGNORE_INDEX] * len(prompt) + completion
+    (_, labels_all), = unpacked(tok, path, completion_only_loss=False)
+    assert labels_all == ids
+
+
+def test_conversational_prompt_completion_is_rendered_not_stringified(tok, tmp_path):
+    path = write_jsonl(tmp_path / "cpc.jsonl", RECORDS["conversational_prompt_completion"][:1])
+    (ids, labels), = unpacked(tok, path)
+    text = tok.decode(ids)
+    assert "[{'role'" not in text and text == tok.apply_chat_template(CHAT[:2], tokenize=False)
+    assert tok.decode(labelled(ids, labels)) == "hello friend<|endoftext|>\n"
+
+
+def test_tokenized_records_keep_their_labels(tok, tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", RECORDS["tokenized"])
+    assert unpacked(tok, path) == [([5, 6, 7, 8], [-100, -100, 7, 8]), ([9, 10, 11], [9, 10, 11])]
+
+
+# ---------------------------------------------------------------------------------------------------- packing
+DOCS = [{"text": " ".join(["word"] * n) + " end"} for n in (3, 17, 8, 30, 5, 12, 1, 22)]
+
+
+def test_bfd_packing_places_documents_as_trl_does(tok, tmp_path):
+    """TRL's pack_dataset (bfd) is the oracle: the same documents in the same rows."""
+    from datasets import Dataset
+    from trl import pack_dataset
+
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    packed = build(tok, path, max_seq_length=32)[0]
+    ours = sorted(sorted(doc_lengths(r["position_ids"].tolist(), r["labels"].tolist())) for r in packed)
+    docs = [ids for ids, _ in unpacked(tok, path, max_seq_length=32)]
+    theirs = pack_dataset(Dataset.from_dict({"input_ids": docs}), seq_length=32, strategy="bfd")
+    assert ours == sorted(sorted(r) for r in theirs["seq_lengths"])
+    assert all(len(r["input_ids"]) == 32 for r in packed)
+
+
+def doc_lengths(pos, labels):
+    """Lengths of the documents of a packed row (a new one where positions restart), padding left out."""
+    starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+    lengths = [b - a for a, b in zip(starts, starts[1:])]
+    pad = sum(1 for lab in labels[starts[-2]:] if lab == IGNORE_INDEX) == lengths[-1]
+    return lengths[:-1] if pad and len(lengths) > 1 else lengths
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "bfd_split", "wrapped"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_rows_train_exactly_as_the_documents_one_by_one(strategy, attn, tok, tmp_path):
+    """The summed loss (and its gradient) over packed rows equals the sum over each document run alone: no attention
+    across a boundary, no document's first token predicted from another's last. bfd_split / wrapped cut the longest
+    document: its pieces are documents of their own, so the reference runs the pieces."""
+    from transformers import AutoModelForCausalLM
+
+    from offload_trainer.models import architecture_config
+
+    torch.manual_seed(0)
+    cfg = architecture_config("tiny-llama", {"num_hidden_layers": 2})
+    cfg._attn_implementation = attn
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS)
+    packed = build(tok, path, max_seq_length=24, packing_strategy=strategy)[0]
+
+    def summed(ids, labels, pos=None):
+        out = model(input_ids=torch.tensor([ids]), position_ids=None if pos is None else torch.tensor([pos]),
+                    use_cache=False)  # (as in training: with a cache transformers does not detect packed rows)
+        logits = out.logits[0, :-1].float()
+        return torch.nn.functional.cross_entropy(logits, torch.tensor(labels[1:]), reduction="sum",
+                                                 ignore_index=IGNORE_INDEX)
+
+    total = sum(summed(r["input_ids"].tolist(), r["labels"].tolist(), r["position_ids"].tolist()) for r in packed)
+    pieces = []
+    for r in packed:  # the documents as placed (for bfd: whole, or cut to the row when longer)
+        ids, pos = r["input_ids"].tolist(), r["position_ids"].tolist()
+        starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+        pieces += [ids[a:b] for a, b in zip(starts, starts[1:]) if any(lab != IGNORE_INDEX
+                                                                        for lab in r["labels"].tolist()[a + 1:b])]
+    alone = sum(summed(p, p) for p in pieces)
+    torch.testing.assert_close(total, alone, rtol=1e-5, atol=1e-4)
+    whole = [ids for ids, _ in unpacked(tok, path, max_seq_length=1000)]
+    if strategy == "bfd":  # documents not longer than a row arrive whole
+        assert sorted(map(tuple, (p for p in pieces if len(p) < 24))) == sorted(
+            tuple(d) for d in whole if len(d) < 24)
+    else:  # no token lost
+        assert sum(map(len, pieces)) == sum(map(len, whole))
+
+
+def test_unpacked_rows_are_padded_per_batch(tok, tmp_path):
+    from offload_trainer.data import data_collator
+
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS[:3])
+    args = DataArguments(dataset_path=str(path), max_seq_length=64, packing=False)
+    train, _ = build_datasets(args, tok, vocab_size=512)
+    batch = data_collator(args, tok)([train[i] for i in range(3)])
+    lengths = [len(train[i]["input_ids"]) for i in range(3)]
+    assert len(set(lengths)) == 3 and batch["input_ids"].shape == (3, -(-max(lengths) // 8) * 8)  # a multiple of 8
+    assert batch["attention_mask"].sum(1).tolist() == lengths
+    assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all()
+
+
+# ---------------------------------------------------------------------------------------------------- splits, cache
+def test_eval_fraction_holds_out_random_records(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"record number {i}"} for i in range(40)])
+    train, ev = build(tok, path, eval_fraction=0.25, packing=False)
+    texts = sorted(tok.decode(r["input_ids"]) for r in ev)
+    assert len(ev) == 10 and len(train) == 30
+    assert texts != sorted(f"record number {i}<|endoftext|>" for i in range(30, 40))  # not the file's last records
+
+
+def test_the_cache_is_reused_by_a_second_run(tok, tmp_path, monkeypatch):
+    """A second build of the same data (a new run, a resume, another rank) tokenizes nothing: measured by counting
+    the tokenizer's batch calls."""
+    import offload_trainer.data as data_mod
+
+    calls = []
+    real = data_mod.tokenize_batch
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(data_mod, "tokenize_batch", counted)
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS * 50)
+    first = rows(build(tok, path)[0])
+    assert calls
+    n = len(calls)
+    second = rows(build(tok, path)[0])
+    assert len(calls) == n and second == first
+    write_jsonl(path, DOCS * 51)  # the file changed: tokenized again
+    build(tok, path)
+    assert len(calls) > n
+
+
+def test_parallel_tokenization_gives_the_same_rows(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS * 30)
+    assert rows(build(tok, path, dataset_num_proc=2)[0]) == rows(build(tok, path)[0])
+
+
+def test_streaming_gives_the_same_rows(tok, tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", DOCS * 5)
+    streamed, _ = build(tok, path, streaming=True)
+    assert isinstance(streamed, torch.utils.data.IterableDataset) or not hasattr(streamed, "__len__")
+    assert rows(streamed) == rows(build(tok, path)[0])
 
 
 def test_tokenizer_bigger_than_model_vocab(tok):
     with pytest.raises(DataError, match="model's vocabulary has 100"):
         build_datasets(DataArguments(max_seq_length=64), tok, vocab_size=100)
+
+
+def test_builtin_corpora(tok):
+    train, ev = build_datasets(DataArguments(max_seq_length=64, eval_fraction=0.1), tok, vocab_size=512)
+    assert len(train) > 100 and len(ev) >= 1
+    sft, _ = build_datasets(DataArguments(dataset_path="builtin-sft", max_seq_length=64), tok, vocab_size=512)
+    labels = sft[0]["labels"]
+    assert (labels == IGNORE_INDEX).any() and (labels != IGNORE_INDEX).any()  # loss on completions only

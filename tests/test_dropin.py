@@ -330,3 +330,17 @@ def test_model_init_builds_a_fresh_model_per_train(tmp_path):
         t.train()
         runs.append([h["loss"] for h in train_logs(t)])
     assert len(runs[1]) == 2 and runs[1][0] == pytest.approx(runs[0][0], rel=1e-5) and math.isfinite(runs[1][1])
+
+
+def test_a_streaming_dataset_trains_with_max_steps(tmp_path):
+    """An IterableDataset (here datasets' streaming one over the tiny model's rows) trains with max_steps as with the
+    Trainer; the plan, which cannot take its length, is sized from nothing and skipped, saying so."""
+    runs = []
+    for cls in (Trainer, OffloadTrainer):
+        model, tok, train = tiny_setup(seq=32, layers=1)
+        stream = train.to_iterable_dataset()
+        t = cls(model=model, args=args_for(tmp_path / cls.__name__, max_steps=3), train_dataset=stream)
+        t.train()
+        runs.append(train_logs(t))
+    assert len(runs[0]) == len(runs[1]) == 3
+    assert runs[1][0]["loss"] == pytest.approx(runs[0][0]["loss"], rel=1e-5)

@@ -120,6 +120,106 @@ def test_tilde_in_paths(tmp_path, capsys, monkeypatch):
     assert (tmp_path / "run" / "model.safetensors").exists() and not (Path.cwd() / "~").exists()
 
 
+# ---------------------------------------------------------------------------------------------------- data
+# id -> (file name, its bytes, config body, exit code, excerpt of the message)
+DATA_ROWS = {
+    "data-null-text": ("d.jsonl", b'{"text": null}\n{"text": "x"}\n', "", 2,
+                       "row 1: 'text' is null (or missing), not a string"),
+    "data-list-as-text": ("d.jsonl", b'{"text": ["a", "b"]}\n', "", 2, "row 1: 'text' is a list, not a string"),
+    "data-dict-as-text": ("d.jsonl", b'{"text": {"a": 1}}\n', "", 2, "row 1: 'text' is a dict, not a string"),
+    "data-number-as-text": ("d.jsonl", b'{"text": "a b"}\n{"text": 5}\n', "", 2, "row 2: 'text' is a int"),
+    "data-null-prompt": ("d.jsonl", b'{"prompt": null, "completion": "x"}\n', "", 2,
+                         "row 1: prompt is null (or missing) and completion a str; both must be strings"),
+    "data-message-without-role": ("d.jsonl", b'{"messages": [{"content": "hi"}]}\n', "", 2,
+                                  "row 1: message 1 is {'content': 'hi'}"),
+    "data-messages-not-a-list": ("d.jsonl", b'{"messages": "hello"}\n', "", 2,
+                                 "row 1: messages is a str, not a list of {role, content} messages"),
+    "data-all-texts-empty": ("d.jsonl", b'{"text": ""}\n{"text": "   "}\n', "", 2,
+                             "no records with text (the dataset is empty, or every text is empty)"),
+    "data-not-utf8": ("d.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "", 2, "d.jsonl:2: not UTF-8 text"),
+    "data-bad-token-ids": ("d.jsonl", b'{"input_ids": "abc"}\n', "", 2, "row 1: input_ids must be a list of token ids"),
+    "data-missing-split": ("d.jsonl", b'{"text": "a"}\n', "dataset_test_split: validation\n", 2,
+                           "has no split 'validation'; it has train"),
+    "data-unknown-column": ("d.jsonl", b'{"text": "a"}\n', "dataset_text_field: body\n", 2,
+                            "records have columns ['text']; expected 'body' (dataset_text_field)"),
+    "data-assistant-only-without-messages": ("d.jsonl", b'{"text": "a"}\n', "assistant_only_loss: true\n", 2,
+                                             "assistant_only_loss needs conversational 'messages' records"),
+    "data-streaming-without-max-steps": ("d.jsonl", b'{"text": "a"}\n', "streaming: true\nmax_steps: -1\n", 2,
+                                         "streaming: true reads a dataset whose length is not known up front"),
+    "data-streaming-with-eval-fraction": ("d.jsonl", b'{"text": "a"}\n', "streaming: true\neval_fraction: 0.1\n",
+                                          2, "eval_fraction needs the whole dataset"),
+    "data-name-and-path": ("d.jsonl", b'{"text": "a"}\n', "dataset_name: org/other\n", 2,
+                           "name two datasets: give one"),
+    "data-directory-without-data": (None, b"", "", 2, "cannot be loaded"),
+}
+
+
+@pytest.mark.parametrize("row", list(DATA_ROWS))
+def test_data_rows(row, tmp_path, capsys, no_model_load):
+    name, content, body, rc, needle = DATA_ROWS[row]
+    path = tmp_path / "data"
+    path.mkdir()
+    if name:
+        path = path / name
+        path.write_bytes(content)
+    expect(Case(tmp_path, body, data=str(path)), capsys, rc, needle)
+
+
+# id -> (file name, its bytes, config body): data users produce that must train
+TRAINS = {
+    "data-bom-and-crlf-jsonl": ("d.jsonl", b'\xef\xbb\xbf{"text": "one two"}\r\n{"text": "three"}\r\n', ""),
+    "data-bom-txt": ("d.txt", b"\xef\xbb\xbfhello world\r\nsecond line\r\n", ""),
+    "data-record-of-several-mb": ("d.jsonl", json.dumps({"text": "lorem ipsum dolor " * 200_000}).encode() + b"\n",
+                                  ""),
+    "data-smaller-than-one-batch": ("d.jsonl", b'{"text": "just one record"}\n', "per_device_train_batch_size: 8\n"),
+    "data-path-with-spaces-and-accents": ("mes données/d é.jsonl", b'{"text": "bonjour"}\n', ""),
+    "data-streaming": ("d.jsonl", b'{"text": "a b c d"}\n' * 20, "streaming: true\n"),
+}
+
+
+@pytest.mark.parametrize("row", list(TRAINS))
+def test_data_that_trains(row, tmp_path, capsys):
+    name, content, body = TRAINS[row]
+    path = tmp_path / "data" / name
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    case = Case(tmp_path, body + "max_steps: 1\nsave_strategy: 'no'\n", data=str(path))
+    rc, err = case.run(capsys)
+    assert rc == 0, err[-3000:]
+    assert (case.out / "model.safetensors").exists()
+    if row == "data-record-of-several-mb":
+        assert "were cut off" in err
+
+
+def test_data_bom_is_not_a_token(tmp_path):
+    from offload_trainer.args import DataArguments, ModelArguments
+    from offload_trainer.data import build_datasets
+    from offload_trainer.models import load_tokenizer
+
+    tok = load_tokenizer(ModelArguments(model_config="tiny-llama"))
+    path = tmp_path / "d.txt"
+    path.write_bytes(TRAINS["data-bom-txt"][1])
+    train, _ = build_datasets(DataArguments(dataset_path=str(path), max_seq_length=64, packing=False), tok,
+                              vocab_size=512)
+    assert [tok.decode(r["input_ids"]) for r in train] == ["hello world<|endoftext|>", "second line<|endoftext|>"]
+
+
+def test_data_file_unreadable(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n')
+    data.chmod(0)
+    case = Case(tmp_path, "", data=str(data))
+    if os.geteuid():
+        return expect(case, capsys, 2, "cannot be read (permission denied)")
+    if shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv (util-linux): cannot drop the permission override")
+    code = f"import sys; from offload_trainer import cli; sys.exit(cli.main(['train', {str(case.config)!r}]))"
+    r = subprocess.run(["setpriv", "--bounding-set", "-dac_override,-dac_read_search", sys.executable, "-c", code],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert r.returncode == 2 and "cannot be read (permission denied)" in r.stderr, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+
+
 # ---------------------------------------------------------------------------------------------------- the model
 def model_dir(tmp_path: Path, trained: Path, *, drop=(), damage=None) -> Path:
     """A copy of a trained model directory (config, weights, tokenizer) with files removed or damaged."""

@@ -267,11 +267,12 @@ def test_plan_command_without_a_cap_plans_for_this_machines_gpu(capsys, monkeypa
     assert card["gpu_budget_gib"] == 24.0 and card["device_states_scope"] == "all"  # a 3B model's states fit
 
 
-def test_train_refuses_before_loading_weights(capsys, monkeypatch):
+def test_train_refuses_before_loading_weights(capsys, monkeypatch, tmp_path):
     import offload_trainer.models as models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights were loaded"))
-    assert cli.main(["train", "configs/tiny-cpu.yaml", "model_config=qwen2.5-14b", "gpu_memory_limit_gb=24"]) == 2
+    assert cli.main(["train", "configs/tiny-cpu.yaml", "model_config=qwen2.5-14b", "gpu_memory_limit_gb=24",
+                     f"output_dir={tmp_path}"]) == 2
     assert "no plan fits" in capsys.readouterr().err
 
 

@@ -1,0 +1,185 @@
+"""Training data for the command, on `datasets`: sources (sources.py), formats and labels (formats.py), packing
+(packing.py). `build_datasets` returns (train, eval or None), tokenized in parallel (`dataset_num_proc`) and cached
+under the HF datasets cache: a second run, a resume or another rank reads the cache instead of tokenizing again.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+
+import torch
+
+from ..errors import DataError
+from .formats import IGNORE_INDEX, Tokenize, detect_format, has_generation_markers, tokenize_batch
+from .packing import STRATEGIES, PaddingCollator, pack_batch, truncate_batch
+from .sources import BUILTIN, check_source, load, not_utf8, resolve
+
+__all__ = ["IGNORE_INDEX", "DataError", "build_datasets", "data_collator", "random_dataset", "check_dataset_path",
+           "PaddingCollator", "STRATEGIES", "BUILTIN", "resolve"]
+
+logger = logging.getLogger("offload_trainer")
+check_dataset_path = check_source
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """Fixed-length rows of random tokens (benchmarks): input_ids, labels, position_ids."""
+
+    def __init__(self, vocab_size: int, seq_len: int, num_samples: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, vocab_size, (num_samples, seq_len), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i].clone(), "attention_mask": torch.ones_like(self.ids[i])}
+
+
+def random_dataset(vocab_size: int, seq_len: int, num_samples: int, seed: int = 0) -> RandomTokens:
+    return RandomTokens(vocab_size, seq_len, num_samples, seed)
+
+
+def data_collator(data_args, tokenizer):
+    """The collator for build_datasets' rows: packed rows are all max_seq_length long (stacking them is all there is
+    to do); unpacked rows are padded per batch."""
+    from transformers import default_data_collator
+
+    return default_data_collator if data_args.packing or data_args.dataset_path == "random" else \
+        PaddingCollator(tokenizer.pad_token_id)
+
+
+def build_datasets(data_args, tokenizer, *, vocab_size: int, seed: int = 0, main_process_first=None):
+    """(train, eval or None). `main_process_first`: a context (the Trainer arguments' `main_process_first`) inside
+    which rank 0 tokenizes while the other ranks wait, then read its cache."""
+    seq = data_args.max_seq_length
+    if data_args.dataset_path == "random":
+        return random_dataset(vocab_size, seq, data_args.random_num_samples, seed), None
+    max_len = getattr(tokenizer, "model_max_length", None)
+    if max_len and max_len < 10**9 and seq > max_len:  # checked before tokenizing anything
+        raise DataError(f"max_seq_length={seq} is longer than the tokenizer/model allows ({max_len}); "
+                        f"use max_seq_length <= {max_len}")
+    if data_args.chat_template:
+        tokenizer.chat_template = _template(data_args.chat_template)
+    with main_process_first() if main_process_first else contextlib.nullcontext():
+        train_raw, eval_raw = _splits(data_args, seed)
+        name = data_args.dataset_path
+        fmt = detect_format(list(_columns(train_raw)), data_args.dataset_text_field, f"dataset {name!r}")
+        spec = Tokenize(fmt=fmt, text_field=data_args.dataset_text_field,
+                        assistant_only=data_args.assistant_only_loss,
+                        completion_only=data_args.completion_only_loss is not False,
+                        generation_markers=has_generation_markers(tokenizer))
+        if spec.assistant_only and fmt != "messages":
+            raise DataError(f"assistant_only_loss needs conversational 'messages' records; dataset {name!r} holds "
+                            f"{fmt.replace('_', '/')} records (for prompt/completion use completion_only_loss)")
+        train = _prepare(train_raw, data_args, tokenizer, spec, vocab_size, f"{name} ({data_args.dataset_train_split})")
+        evald = None if eval_raw is None else _prepare(eval_raw, data_args, tokenizer, spec, vocab_size,
+                                                       f"{name} (eval)")
+    return train, evald
+
+
+def _template(value: str) -> str:
+    path = os.path.expanduser(value)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def _splits(data_args, seed: int):
+    train = load(data_args, split=data_args.dataset_train_split)
+    if hasattr(train, "__len__") and len(train) == 0:
+        raise DataError(f"dataset {data_args.dataset_path!r}: no records (the file is empty); add text lines or JSON "
+                        f"records")
+    if data_args.dataset_test_split:
+        return train, load(data_args, split=data_args.dataset_test_split)
+    if not data_args.eval_fraction:
+        return train, None
+    if data_args.streaming:
+        raise DataError("eval_fraction needs the whole dataset to draw from: with streaming, name an eval split "
+                        "(dataset_test_split)")
+    if len(train) < 2:
+        raise DataError(f"dataset {data_args.dataset_path!r} has {len(train)} record(s): too few to hold some out "
+                        f"(eval_fraction); add data or set eval_fraction: 0")
+    parts = train.train_test_split(test_size=data_args.eval_fraction, seed=seed, shuffle=True)
+    return parts["train"], parts["test"]
+
+
+def _columns(ds) -> list[str]:
+    cols = getattr(ds, "column_names", None)
+    if cols is None:  # a streaming dataset whose features are not known before reading
+        cols = list(next(iter(ds)).keys())
+    return cols
+
+
+def _fingerprint(ds, *parts) -> str:
+    h = hashlib.sha256(str(getattr(ds, "_fingerprint", "")).encode())
+    for p in parts:
+        h.update(repr(p).encode())
+    return h.hexdigest()[:32]
+
+
+def _tokenizer_id(tok) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else repr(sorted(tok.get_vocab().items()))
+    return hashlib.sha256((body + str(tok.chat_template) + str(tok.eos_token_id)).encode()).hexdigest()
+
+
+def _map(ds, fn, *, fingerprint: str, desc: str, num_proc, **kw):
+    """`ds.map(batched=True)`, cached under HF_DATASETS_CACHE by our own fingerprint (deterministic across runs and
+    processes, whatever the source's cache directory)."""
+    if not hasattr(ds, "_fingerprint"):  # streaming: lazy, nothing to cache
+        return ds.map(fn, batched=True, **kw)
+    import datasets
+
+    cache = os.path.join(datasets.config.HF_DATASETS_CACHE, "offload_trainer")
+    os.makedirs(cache, exist_ok=True)
+    return ds.map(fn, batched=True, num_proc=num_proc, new_fingerprint=fingerprint, desc=desc,
+                  cache_file_name=os.path.join(cache, f"{fingerprint}.arrow"), **kw)
+
+
+def _prepare(raw, data_args, tok, spec: Tokenize, vocab_size: int, where: str):
+    seq, strategy = data_args.max_seq_length, data_args.packing_strategy
+    fp = _fingerprint(raw, "tokenize-v1", spec, _tokenizer_id(tok))
+    columns = _columns(raw)
+    try:
+        tokenized = _map(raw, tokenize_batch, fingerprint=fp, desc="tokenizing", num_proc=data_args.dataset_num_proc,
+                         with_indices=True, remove_columns=columns,
+                         fn_kwargs=dict(tokenizer=tok, spec=spec, where=where))
+    except UnicodeDecodeError as e:  # (the JSON reader keeps bytes; they are decoded as the rows are read)
+        raise not_utf8(data_args.dataset_path, e) from None
+    if data_args.packing:
+        rows = _map(tokenized, pack_batch, fingerprint=_fingerprint(tokenized, "pack-v1", seq, strategy),
+                    desc="packing", num_proc=data_args.dataset_num_proc, remove_columns=["input_ids", "labels"],
+                    fn_kwargs=dict(seq_len=seq, strategy=strategy, pad_id=tok.pad_token_id))
+    else:
+        rows = _map(tokenized, truncate_batch, fingerprint=_fingerprint(tokenized, "truncate-v1", seq),
+                    desc="cutting", num_proc=data_args.dataset_num_proc, remove_columns=["input_ids", "labels"],
+                    fn_kwargs=dict(seq_len=seq))
+    if hasattr(rows, "_fingerprint"):
+        _check(rows, vocab_size, where, data_args)
+    rows = rows.remove_columns(["dropped"])
+    return rows.with_format("torch")
+
+
+def _check(rows, vocab_size: int, where: str, data_args) -> None:
+    """Every row's ids within the model's vocabulary, something to train on, and a word on what was cut."""
+    import pyarrow.compute as pc
+
+    if len(rows) == 0:
+        raise DataError(f"{where}: no records with text (the dataset is empty, or every text is empty); add data")
+    table = rows.data.table if hasattr(rows.data, "table") else rows.data
+    top = pc.max(pc.list_flatten(table.column("input_ids"))).as_py()
+    if top is not None and top >= vocab_size:
+        raise DataError(f"{where}: the tokenizer makes ids up to {top}, but the model's vocabulary has {vocab_size}; "
+                        f"use the model's own tokenizer")
+    trained = pc.sum(pc.not_equal(pc.list_flatten(table.column("labels")), IGNORE_INDEX)).as_py()
+    if not trained:
+        raise DataError(f"{where}: no token carries a loss (every label is masked): check completion_only_loss / "
+                        f"assistant_only_loss against the data")
+    dropped = pc.sum(table.column("dropped")).as_py() or 0
+    if dropped:
+        logger.warning("%s: %d tokens beyond max_seq_length=%d were cut off (%s); packing_strategy: bfd_split or "
+                       "wrapped keeps them", where, dropped, data_args.max_seq_length,
+                       "documents longer than a row" if data_args.packing else "rows longer than it")

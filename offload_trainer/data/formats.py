@@ -1,0 +1,157 @@
+"""Records to token ids and labels, in the formats TRL's SFT trainer reads:
+
+- plain text (`dataset_text_field`, default `text`): loss on every token, EOS appended;
+- conversational `messages`: the tokenizer's chat template; with `assistant_only_loss`, loss on the assistant turns
+  only -- from the template's `{% generation %}` markers where it has them, else by rendering turn by turn (each
+  assistant turn is what the template adds after the prompt that ends with the generation prompt);
+- prompt / completion, as strings or as message lists (TRL's conversational prompt-completion): loss on the
+  completion only (`completion_only_loss`, default on, as in TRL);
+- already tokenized `input_ids` (+ `labels`).
+
+`tokenize_batch` runs inside `datasets.map(batched=True)`; a bad record is one DataError naming its row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import DataError
+
+IGNORE_INDEX = -100  # label value that cross-entropy skips
+FORMATS = ("text", "messages", "prompt_completion", "tokenized")
+
+
+@dataclass(frozen=True)
+class Tokenize:
+    """What `tokenize_batch` needs, fixed once per run (and hashed into the cache fingerprint)."""
+
+    fmt: str
+    text_field: str = "text"
+    assistant_only: bool = False
+    completion_only: bool = True
+    generation_markers: bool = False
+
+
+def detect_format(columns: list[str], text_field: str, where: str) -> str:
+    if "input_ids" in columns:
+        return "tokenized"
+    if "messages" in columns:
+        return "messages"
+    if "prompt" in columns and "completion" in columns:
+        return "prompt_completion"
+    if text_field in columns:
+        return "text"
+    raise DataError(f"{where}: records have columns {sorted(columns)}; expected {text_field!r} (dataset_text_field), "
+                    f"'messages', 'prompt' + 'completion', or 'input_ids'")
+
+
+def has_generation_markers(tokenizer) -> bool:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "{% generation %}" in template or "{%- generation %}" in template
+
+
+def tokenize_batch(batch: dict, indices: list[int], *, tokenizer, spec: Tokenize, where: str) -> dict:
+    """Each record as pieces of text (or ids), each trained on or not; the batch's text pieces tokenized in one call
+    of the (fast, batched) tokenizer, then put back together."""
+    keys = list(batch)
+    records = [_pieces(dict(zip(keys, values)), tokenizer, spec, f"{where} row {i + 1}")
+               for i, values in zip(indices, zip(*(batch[k] for k in keys)))]
+    texts = [p for rec in records for p, _ in rec if isinstance(p, str) and p]
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
+    out = {"input_ids": [], "labels": []}
+    for rec in records:
+        ids, labels = [], []
+        for piece, trained in rec:
+            if isinstance(piece, str):
+                piece = next(encoded) if piece else []
+            ids += piece
+            labels += piece if trained is True else [IGNORE_INDEX] * len(piece) if not trained else trained
+        out["input_ids"].append(ids)
+        out["labels"].append(labels)
+    return out
+
+
+def _pieces(rec: dict, tok, spec: Tokenize, where: str) -> list[tuple]:
+    """[(text or token ids, trained)]: `trained` True / False, or the labels themselves (given with the ids)."""
+    if spec.fmt == "tokenized":
+        ids = rec["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids):
+            raise DataError(f"{where}: input_ids must be a list of token ids")
+        labels = rec.get("labels") or list(ids)
+        if len(labels) != len(ids):
+            raise DataError(f"{where}: labels has {len(labels)} values for {len(ids)} input_ids")
+        return [(list(ids), list(labels))]
+    if spec.fmt == "text":
+        text = rec.get(spec.text_field)
+        if not isinstance(text, str):
+            raise DataError(f"{where}: {spec.text_field!r} is {_kind(text)}, not a string")
+        text = text.lstrip("\ufeff")
+        return [(text, True), (_eos(tok), True)] if text.strip() else []
+    if spec.fmt == "messages":
+        return _conversation(rec.get("messages"), tok, spec, where)
+    return _prompt_completion(rec.get("prompt"), rec.get("completion"), tok, spec, where)
+
+
+def _prompt_completion(prompt, completion, tok, spec: Tokenize, where: str) -> list[tuple]:
+    if isinstance(prompt, str) and isinstance(completion, str):
+        return [(prompt, not spec.completion_only), (completion, True), (_eos(tok), True)]
+    if isinstance(prompt, list) and isinstance(completion, list):  # conversational prompt-completion
+        _check_messages(prompt + completion, where)
+        _need_template(tok, where)
+        p_text = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        full = tok.apply_chat_template(prompt + completion, tokenize=False)
+        if not full.startswith(p_text):
+            raise DataError(f"{where}: the chat template does not render the completion after the prompt's "
+                            f"generation prompt; give prompt and completion as strings instead")
+        return [(p_text, not spec.completion_only), (full[len(p_text):], True)]
+    raise DataError(f"{where}: prompt is {_kind(prompt)} and completion {_kind(completion)}; both must be strings, "
+                    f"or both lists of messages")
+
+
+def _conversation(messages, tok, spec: Tokenize, where: str) -> list[tuple]:
+    _check_messages(messages, where)
+    _need_template(tok, where)
+    if not spec.assistant_only:
+        return [(tok.apply_chat_template(messages, tokenize=False), True)]
+    if spec.generation_markers:
+        enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids = list(enc["input_ids"])
+        return [(ids, [t if m else IGNORE_INDEX for t, m in zip(ids, enc["assistant_masks"])])]
+    # Turn by turn: the text before each assistant turn (ending with the generation prompt) and the text with it.
+    pieces, done = [], ""
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = tok.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True) if k else ""
+        upto = tok.apply_chat_template(messages[: k + 1], tokenize=False)
+        if not before.startswith(done) or not upto.startswith(before):
+            raise DataError(f"{where}: the chat template does not render this conversation turn by turn, so the "
+                            f"assistant's tokens cannot be told apart: give a chat_template with {{% generation %}} "
+                            f"markers, or set assistant_only_loss: false")
+        pieces += [(before[len(done):], False), (upto[len(before):], True)]
+        done = upto
+    return pieces + [(tok.apply_chat_template(messages, tokenize=False)[len(done):], False)]
+
+
+def _check_messages(messages, where: str) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: messages is {_kind(messages)}, not a list of {{role, content}} messages")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise DataError(f"{where}: message {j + 1} is {_kind(m) if not isinstance(m, dict) else m!r}; each "
+                            f"message needs a 'role' and a 'content'")
+        if m["content"] is not None and not isinstance(m["content"], (str, list)):
+            raise DataError(f"{where}: message {j + 1}'s content is {_kind(m['content'])}, not text")
+
+
+def _need_template(tok, where: str) -> None:
+    if not getattr(tok, "chat_template", None):
+        raise DataError(f"{where}: chat 'messages' need a tokenizer with a chat template; set chat_template, or "
+                        f"tokenizer_name_or_path to one that has it, or convert to prompt/completion")
+
+
+def _eos(tok) -> list[int]:
+    return [tok.eos_token_id] if tok.eos_token_id is not None else []
+
+
+def _kind(value) -> str:
+    return "null (or missing)" if value is None else f"a {type(value).__name__}"

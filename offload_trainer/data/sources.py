@@ -1,0 +1,151 @@
+"""Where training data comes from, loaded with `datasets` (memory-mapped Arrow, its cache reused between runs):
+the built-in corpora, local files (.txt, .jsonl / .json, .parquet, .csv, .arrow), a directory written by
+`save_to_disk` or holding data files, and Hub datasets by name (offline from the HF cache). Every failure is one
+sentence naming the dataset, the split or the line."""
+from __future__ import annotations
+
+import json
+import os
+
+from ..errors import DataError
+from ..models import builtin_asset
+
+BUILTIN = {"builtin": "corpus.txt", "builtin-sft": "sft.jsonl"}
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv",
+            ".arrow": "arrow"}
+
+
+def resolve(name: str) -> str:
+    return builtin_asset(BUILTIN[name]) if name in BUILTIN else os.path.expanduser(name)
+
+
+def looks_local(name: str) -> bool:
+    """A path (or a built-in name) rather than a Hub id such as `tatsu-lab/alpaca`."""
+    return (name in BUILTIN or name.startswith((".", "/", "~")) or os.path.exists(os.path.expanduser(name))
+            or name.count("/") > 1 or os.path.splitext(name)[1].lower() in BUILDERS)
+
+
+def check_source(name: str) -> None:
+    """Fail before any model is loaded when a local dataset is missing or of an unknown kind."""
+    if name == "random" or name in BUILTIN or not looks_local(name):
+        return
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return
+    if not os.path.exists(path):
+        raise DataError(f"dataset_path: {name!r} does not exist (use a .txt, .jsonl, .json, .parquet, .csv or .arrow "
+                        f"file, a directory of them or one written by save_to_disk, a Hub dataset name, 'builtin', "
+                        f"'builtin-sft' or 'random')")
+    if os.path.splitext(path)[1].lower() not in BUILDERS:
+        raise DataError(f"dataset_path: {name!r} is none of {', '.join(BUILDERS)}: convert it, or name its format "
+                        f"with dataset_kwargs (e.g. {{builder: json}})")
+    if not os.access(path, os.R_OK):
+        raise DataError(f"dataset_path: {name!r} cannot be read (permission denied)")
+
+
+def load(data_args, *, split: str):
+    """The raw dataset of one split: a `datasets.Dataset`, or an `IterableDataset` with `streaming`."""
+    import datasets
+
+    name = data_args.dataset_path
+    kwargs = dict(data_args.dataset_kwargs or {})
+    builder = kwargs.pop("builder", None)
+    streaming = data_args.streaming
+    path = resolve(name)
+    try:
+        if looks_local(name) and os.path.isdir(path) and _saved_to_disk(path):
+            ds = datasets.load_from_disk(path)
+            if isinstance(ds, datasets.DatasetDict):
+                ds = _split_of(ds, split, name)
+            return ds.to_iterable_dataset() if streaming else ds
+        if looks_local(name) and os.path.isfile(path):
+            if split != "train":
+                raise DataError(f"dataset {name!r} has no split {split!r}; it has train (a file is one split: name "
+                                f"another file, or use eval_fraction)")
+            if _blank(path):
+                raise DataError(f"dataset {name!r}: no records (the file is empty); add text lines or JSON records")
+            builder = builder or BUILDERS[os.path.splitext(path)[1].lower()]
+            if builder == "text":
+                kwargs.setdefault("encoding", "utf-8-sig")  # (a byte-order mark is not text)
+            return datasets.load_dataset(builder, data_files={"train": path}, split="train", streaming=streaming,
+                                         **kwargs)
+        target = builder or path  # a directory of data files, or a Hub name (offline: from the HF cache)
+        found = datasets.load_dataset(target, data_args.dataset_config, streaming=streaming, **kwargs)
+        return _split_of(found, split, name)
+    except DataError:
+        raise
+    except UnicodeDecodeError as e:
+        raise not_utf8(name, e) from None
+    except (datasets.exceptions.DatasetGenerationError, ValueError) as e:
+        line = _first_bad_line(path, "json") if os.path.isfile(path) and path.endswith((".jsonl", ".json")) else None
+        if line is not None:
+            raise DataError(f"{name}:{line[0]}: not valid JSON ({line[1]}); each line must be one JSON object") from None
+        raise DataError(f"dataset {name!r} cannot be loaded: {_first_line(e)}") from None
+    except (FileNotFoundError, ConnectionError, OSError) as e:
+        hint = ("" if looks_local(name) else " A Hub dataset needs the network, or a copy in the HF datasets cache "
+                "(HF_DATASETS_OFFLINE=1 reads only that).")
+        raise DataError(f"dataset {name!r} cannot be loaded: {_first_line(e)}.{hint}") from None
+
+
+def not_utf8(name: str, e: UnicodeDecodeError) -> DataError:
+    """The DataError for data that is not UTF-8 (found while loading, or by the Arrow reader while tokenizing)."""
+    path = resolve(name)
+    line = _first_bad_line(path, "utf8") if os.path.isfile(path) else None
+    return DataError(f"{_where(name, path, line)}: not UTF-8 text ({e.reason}); save the data as UTF-8")
+
+
+def _split_of(found, split: str, name: str):
+    if not hasattr(found, "keys"):
+        return found
+    if split not in found:
+        raise DataError(f"dataset {name!r} has no split {split!r}; it has {', '.join(found.keys())} (set "
+                        f"dataset_train_split / dataset_test_split)")
+    return found[split]
+
+
+
+
+def _blank(path: str) -> bool:
+    """A file with nothing but white space (datasets' readers fail on it with a bare StopIteration)."""
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    return not head.strip(b" \t\r\n\xef\xbb\xbf") and os.path.getsize(path) <= len(head)
+
+
+def _saved_to_disk(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("dataset_info.json", "state.json", "dataset_dict.json"))
+
+
+def _first_bad_line(path: str, kind: str):
+    """(line number, reason) of the first line that is not valid UTF-8 (kind 'utf8') or not a JSON object."""
+    try:
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                try:
+                    text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+                except UnicodeDecodeError as e:
+                    if kind == "utf8":
+                        return lineno, e.reason
+                    continue
+                if kind == "json" and text.strip():
+                    try:
+                        rec = json.loads(text)
+                    except json.JSONDecodeError as e:
+                        return lineno, e.msg
+                    if not isinstance(rec, dict):
+                        return lineno, f"a JSON {type(rec).__name__}, not an object"
+    except OSError:
+        return None
+    return None
+
+
+def _where(name: str, path: str, line) -> str:
+    return f"{name}:{line[0]}" if line else name
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    cause = e.__cause__ or e.__context__
+    if cause is not None and str(cause).strip():
+        text = str(cause).strip()
+    return (text.splitlines() or [type(e).__name__])[0][:300]
