@@ -40,9 +40,35 @@ def make(mb: int, out: str, seed: int = 0) -> None:
             f.write(json.dumps({"messages": turns}) + "\n")
 
 
-def peak_rss_gib() -> float:
+def status_gib(key: str) -> float:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 2**20
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 2**20
+
+
+def peak_rss_gib() -> float:
+    """VmHWM: the peak of resident memory, the pages of memory-mapped files it has read included (the kernel can drop
+    those at any time; they are counted while they stay)."""
+    return status_gib("VmHWM")
+
+
+class AnonPeak:
+    """The peak of RssAnon (memory of the process's own: Python objects, buffers), sampled every 50 ms."""
+
+    def __init__(self):
+        import threading
+
+        self.peak, self._stop = 0.0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, status_gib("RssAnon"))
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, status_gib("RssAnon"))
 
 
 def old_module():
@@ -56,6 +82,7 @@ def old_module():
         f.write(src)
     spec = importlib.util.spec_from_file_location("offload_trainer._old_data", path)
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # (its dataclasses look their module up there)
     spec.loader.exec_module(mod)
     return mod
 
@@ -65,6 +92,7 @@ def run(path: str, impl: str, num_proc: int | None, seq: int) -> dict:
     from offload_trainer.models import load_tokenizer
 
     tok = load_tokenizer(ModelArguments(model_config="tiny-llama"))
+    anon = AnonPeak()
     t0 = time.perf_counter()
     if impl == "old":
         from types import SimpleNamespace
@@ -72,7 +100,7 @@ def run(path: str, impl: str, num_proc: int | None, seq: int) -> dict:
         mod = old_module()  # (its arguments had these fields)
         old_args = SimpleNamespace(dataset_path=path, max_seq_length=seq, text_field="text", eval_fraction=0.0)
         train, _ = mod.build_datasets(old_args, tok, vocab_size=512)
-        tokens = sum(int((b["attention_mask"]).sum()) for b in train.blocks)
+        tokens = sum(int(b["input_ids"].numel()) for b in train.blocks)
     else:
         import datasets
 
@@ -83,11 +111,11 @@ def run(path: str, impl: str, num_proc: int | None, seq: int) -> dict:
                                   tok, vocab_size=512)
         import pyarrow.compute as pc
 
-        table = train.data.table
+        table = train.data.table  # (rows' tokens, padding included, as the old blocks'; from the offsets alone)
         tokens = int(pc.sum(pc.list_value_length(table.column("input_ids"))).as_py())
     wall = time.perf_counter() - t0
     return {"impl": impl, "rows": len(train), "row_tokens": tokens, "wall_s": round(wall, 1),
-            "peak_rss_gib": round(peak_rss_gib(), 3), "num_proc": num_proc}
+            "peak_rss_gib": round(peak_rss_gib(), 3), "peak_anon_gib": round(anon.stop(), 3), "num_proc": num_proc}
 
 
 def row(result: dict, mb: int, commit: str, run_id: str, second: dict | None = None) -> dict:

@@ -157,8 +157,6 @@ def main() -> None:
     ap.add_argument("--backlog-gib", type=float, default=None,
                     help="offload_trainer: GPU gradients waiting for updates before the CPU waits (default: its own)")
     ap.add_argument("--cpp-wrapper", action="store_true", help="offload_trainer: inductor's C++ wrapper for the update")
-    ap.add_argument("--launch-thread", action="store_true",
-                    help="offload_trainer: queue updates in backward from a thread of their own (launch_thread=True)")
     ap.add_argument("--window", action="store_true", help="then time --steps more steps back to back, one device "
                     "sync at the end (extra.tok_per_s_window)")
     ap.add_argument("--fast-math", action="store_true",
@@ -166,8 +164,6 @@ def main() -> None:
     ap.add_argument("--device-states", default="auto",
                     help="offload_trainer: GiB of 8-bit states kept on the GPU, or auto (the planner: the input "
                          "embedding's when the cap leaves room) or off")
-    ap.add_argument("--eager-step", action="store_true",
-                    help="offload_trainer: step() queues every update (defer_updates=False), as before deferral")
     ap.add_argument("--unfused", action="store_true",
                     help="offload_trainer: torchao's compiled update instead of the fused kernel (fused=False)")
     ap.add_argument("--cprofile", action="store_true", help="run one more step under cProfile: top Python functions")
@@ -254,7 +250,7 @@ def main() -> None:
                 from offload_trainer.distributed import Sharding
 
                 shard = Sharding()
-            from offload_trainer import update_kernel
+            from offload_trainer.optim import kernel as update_kernel
             from offload_trainer.planner import PlanError, device_state_setting, plan
 
             offload_grads = (not noclip or a.accum > 1) and not a.grads_on_gpu
@@ -276,10 +272,8 @@ def main() -> None:
                                     offload_gradients=offload_grads, chunk_numel=a.chunk, sharding=shard,
                                     compile={"cpp_wrapper": True} if a.cpp_wrapper else None,
                                     grad_backlog_bytes=None if a.backlog_gib is None else int(a.backlog_gib * 2**30),
-                                    launch_thread=a.launch_thread, fused=fused,
-                                    device_state_bytes=int(device_state_gib * 2**30), defer_updates=not a.eager_step)
+                                    fused=fused, device_state_bytes=int(device_state_gib * 2**30))
             row["extra"].update(offload_gradients=opt.offload_gradients, chunk_numel=a.chunk,
-                                defer_updates=opt.defer_updates,
                                 fused_update=opt._fused is not None, device_state_gib=round(device_state_gib, 3))
             opt.attach(model)
             if swap is not None:
@@ -362,7 +356,6 @@ def main() -> None:
         if swap is not None:
             swap_before, layer_stall_before = dict(swap.stats), swap.stall.total_ms()
         if isinstance(opt, StreamedAdamW8bit):
-            row["extra"]["launch_thread"] = opt._launcher is not None
             before, update_stall_before = dict(opt.stats), opt.stall.total_ms()
             # (the profiler's own buffers raise the process's peak RSS by ~0.4 GiB with --trace --profile-steps 2)
             row["extra"]["host_peak_before_profile_gib"] = round(peak_rss_gib() or float("nan"), 2)

@@ -34,7 +34,7 @@ from torchao.optim.adam import single_param_adam
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
 from offload_trainer.optim import adamw8bit_chunk, compile_update
-from offload_trainer.update_kernel import Update8bit
+from offload_trainer.optim.kernel import Update8bit
 
 
 def quantize_8bit_i32(input, qmap):

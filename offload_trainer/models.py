@@ -99,13 +99,23 @@ def _check_override_keys(name: str, base, overrides: dict) -> None:
                              + (f". Did you mean {close[0]!r}?" if close else ""))
 
 
+def hub_kwargs(model_args) -> dict:
+    """from_pretrained's `trust_remote_code` and `revision`, as the config asks (absent: transformers' defaults)."""
+    out = {}
+    if getattr(model_args, "trust_remote_code", False):
+        out["trust_remote_code"] = True
+    if getattr(model_args, "revision", None):
+        out["revision"] = model_args.revision
+    return out
+
+
 def load_tokenizer(model_args):
     from transformers import AutoTokenizer
 
     path = model_args.tokenizer_name_or_path
     if path is None:
         path = model_args.model_name_or_path if model_args.model_name_or_path else builtin_asset("tokenizer")
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, **hub_kwargs(model_args))
     if tok.pad_token is None:
         # Packed sequences are all full length; padding only pads the last block, masked out of the loss.
         tok.pad_token = tok.eos_token
@@ -126,7 +136,7 @@ def random_init_device(config, dtype: torch.dtype, device: torch.device, budget_
     return device if need <= room else torch.device("cpu")
 
 
-def load_model(model_args, *, gradient_checkpointing: bool = False, layerwise: bool = False,
+def load_model(model_args, *, layerwise: bool = False,
                init_device: torch.device | None = None):
     """Load pretrained weights, or build a named architecture with random init, in the requested dtype.
     `layerwise` (layer swap): a 4-bit base is read and quantized one layer at a time and kept in CPU memory, so it
@@ -138,7 +148,8 @@ def load_model(model_args, *, gradient_checkpointing: bool = False, layerwise: b
     if getattr(model_args, "load_in_4bit", False):
         model = _load_4bit(model_args, dtype, layerwise=layerwise)
     elif model_args.model_name_or_path:
-        kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=model_args.attn_implementation)
+        kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=model_args.attn_implementation,
+                                      **hub_kwargs(model_args))
         path = model_args.model_name_or_path
         gguf = [f for f in os.listdir(path) if f.endswith(".gguf")] if os.path.isdir(path) else []
         if gguf and not os.path.exists(os.path.join(path, "config.json")):
@@ -388,6 +399,23 @@ def random_image_text_batch(cfg, batch: int, seq: int, device="cpu", generator=N
     return {k: v.to(device) for k, v in out.items()}
 
 
+def local_weights(model_args) -> str:
+    """The directory holding a model's *.safetensors files: the path itself, or for a Hub id its snapshot in the HF
+    cache (fetched there if it is not yet, unless offline). Layer-by-layer loading reads the files directly."""
+    path = model_args.model_name_or_path
+    if os.path.isdir(path):
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(path, revision=getattr(model_args, "revision", None),
+                                 allow_patterns=["*.safetensors", "*.json", "*.model", "*.txt", "*.jinja"])
+    except Exception as e:  # (offline and not cached, unknown id, no network)
+        raise FileNotFoundError(f"load_in_4bit with layer_swap reads {path!r}'s *.safetensors files layer by layer, "
+                                f"and none could be had ({str(e).splitlines()[0][:160]}): download them first "
+                                f"(`hf download {path}`) or give the local directory as model_name_or_path") from None
+
+
 def _load_4bit(model_args, dtype, layerwise: bool = False):
     """The base model with bitsandbytes NF4 linears (QLoRA): random init layer by layer; pretrained weights layer
     by layer (`layerwise`, for layer swap: a base bigger than the GPU), or with from_pretrained onto the GPU."""
@@ -396,10 +424,11 @@ def _load_4bit(model_args, dtype, layerwise: bool = False):
     if model_args.model_name_or_path and layerwise:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(model_args.model_name_or_path)
+        path = local_weights(model_args)
+        config = AutoConfig.from_pretrained(path, **hub_kwargs(model_args))
         config._attn_implementation = model_args.attn_implementation
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        return pretrained_4bit_layerwise(model_args.model_name_or_path, config, device, park="cpu", dtype=dtype)
+        return pretrained_4bit_layerwise(path, config, device, park="cpu", dtype=dtype)
     if model_args.model_name_or_path is None:
         config = architecture_config(model_args.model_config, model_args.model_overrides)
         config._attn_implementation = model_args.attn_implementation
@@ -411,6 +440,7 @@ def _load_4bit(model_args, dtype, layerwise: bool = False):
                                bnb_4bit_use_double_quant=True)
     # NOTE: quantized onto the GPU as it loads: a base bigger than the card needs layerwise=True (layer swap).
     return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, quantization_config=quant, dtype=dtype,
+                                                **hub_kwargs(model_args),
                                                 attn_implementation=model_args.attn_implementation,
                                                 device_map={"": 0 if torch.cuda.is_available() else "cpu"})
 

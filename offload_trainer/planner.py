@@ -29,6 +29,7 @@ class PlanError(ValueError):
 class Machine:
     """Rates and constants of the machine. Defaults: measured on one H200 + PCIe Gen5 (bench/results)."""
 
+    name: str = "one H200 (PCIe Gen5)"  # whose rates these are: the step-time and traffic figures say so
     h2d_gb_s: float = 51.0  # pinned host -> GPU, one direction, while the other runs too
     d2h_gb_s: float = 51.0
     train_flops: float = 5.2e14  # bf16 FLOP/s of a checkpointed train step (model FLOPs, incl. recompute)
@@ -46,6 +47,15 @@ class Machine:
     #                             measured vs 1.70 s at the bf16 rate)
 
 
+class UnknownArchitecture(PlanError, TypeError):
+    """A model type whose structure the planner does not model: it would be planned wrong, so it is not planned."""
+
+
+# model_type -> what differs from a Llama layer; a config-like object without a model_type is planned as a Llama
+KNOWN_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mllama",
+               "mllama_text_model"}
+
+
 @dataclass
 class ModelShape:
     hidden: int
@@ -60,34 +70,83 @@ class ModelShape:
     vision_other: int = 0  # its embeddings, norms and biases, and the projector into the language model
     cross_layers: int = 0  # decoder layers that cross-attend to the image's tokens (Mllama)
     cross_tokens: int = 0  # image tokens each sequence's cross-attention reads
+    head_dim: int = 0  # (0: hidden / heads)
+    qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3; Mllama's cross-attention layers)
+    extra_embeddings: int = 0  # rows of the input embedding beyond the vocabulary (Mllama's image tokens)
+    experts: int = 0  # mixture of experts: experts per MoE layer (Mixtral, Qwen-MoE), 0 for a dense model
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert (and its gate), 0 without one
+    moe_layers: int = 0  # layers whose MLP is the experts (the others are dense, of `intermediate`)
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShape":
         text = getattr(cfg, "text_config", None) or cfg
+        kind = getattr(text, "model_type", None)
+        if kind is not None and kind not in KNOWN_TYPES:
+            raise UnknownArchitecture(f"the planner does not know model_type {kind!r} (it plans "
+                                      f"{', '.join(sorted(KNOWN_TYPES))}): set the offload switches yourself "
+                                      f"(offload_gradients, activation_offload, layer_swap: N)")
         vision = getattr(cfg, "vision_config", None)
         return cls(hidden=text.hidden_size, intermediate=text.intermediate_size, layers=text.num_hidden_layers,
                    heads=text.num_attention_heads, kv_heads=getattr(text, "num_key_value_heads", None)
                    or text.num_attention_heads, vocab=text.vocab_size,
                    tied=bool(getattr(text, "tie_word_embeddings", getattr(cfg, "tie_word_embeddings", False))),
-                   qkv_bias=getattr(text, "model_type", "") == "qwen2",
+                   qkv_bias=kind in ("qwen2", "qwen2_moe"), qk_norm=kind in ("qwen3", "qwen3_moe"),
+                   head_dim=getattr(text, "head_dim", None) or 0,
                    cross_layers=len(getattr(text, "cross_attention_layers", None) or ()),
-                   **(_mllama_vision(vision, text.hidden_size) if vision is not None else {}))
+                   extra_embeddings=8 if kind == "mllama_text_model" else 0,
+                   **_experts(text, kind), **(_mllama_vision(vision, text.hidden_size) if vision is not None else {}))
+
+    @property
+    def dh(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
     @property
     def kv_dim(self) -> int:
-        return self.hidden // self.heads * self.kv_heads
+        return self.dh * self.kv_heads
+
+    @property
+    def attn_params(self) -> int:
+        h, q, kv = self.hidden, self.dh * self.heads, self.kv_dim
+        return 2 * h * q + 2 * h * kv + ((q + 2 * kv) if self.qkv_bias else 0) + (2 * self.dh if self.qk_norm else 0)
+
+    @property
+    def moe_mlp_params(self) -> int:
+        """One MoE layer's MLP: every expert, the router, and a shared expert with its gate."""
+        h = self.hidden
+        shared = 3 * h * self.shared_intermediate + h if self.shared_intermediate else 0
+        return self.experts * 3 * h * self.expert_intermediate + h * self.experts + shared
 
     @property
     def layer_params(self) -> int:
-        h, kv = self.hidden, self.kv_dim
-        attn = h * (h + 2 * kv) + h * h + ((h + 2 * kv) if self.qkv_bias else 0)
-        return attn + 3 * h * self.intermediate + 2 * h
+        """The largest decoder layer (an MoE layer where there are experts): what a swap slot holds."""
+        mlp = self.moe_mlp_params if self.moe_layers else 3 * self.hidden * self.intermediate
+        return self.attn_params + mlp + 2 * self.hidden
+
+    @property
+    def layers_params(self) -> int:
+        """All decoder layers together (dense and MoE; Mllama's cross-attention layers' norms and gates)."""
+        dense = 3 * self.hidden * self.intermediate
+        mlps = self.moe_layers * self.moe_mlp_params + (self.layers - self.moe_layers) * dense
+        cross = self.cross_layers * (2 * self.dh + 2)
+        return self.layers * (self.attn_params + 2 * self.hidden) + mlps + cross
+
+    @property
+    def active_params(self) -> int:
+        """Parameters a token's forward uses: all but the experts it is not routed to."""
+        idle = self.moe_layers * (self.experts - self.experts_per_token) * 3 * self.hidden * self.expert_intermediate
+        return self.params - idle
 
     def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in, out) of each linear layer of a decoder layer, by its usual HF name."""
-        h, kv, inter = self.hidden, self.kv_dim, self.intermediate
-        return {"q_proj": (h, h), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (h, h),
-                "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+        """(in, out) of each linear layer of a decoder layer, by its usual HF name (attention, and the dense or
+        shared-expert MLP: the experts' weights are fused 3-D tensors, not nn.Linear, in transformers 5)."""
+        h, q, kv = self.hidden, self.dh * self.heads, self.kv_dim
+        inter = self.shared_intermediate if self.moe_layers else self.intermediate
+        shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h)}
+        if inter:
+            shapes |= {"gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+        return shapes
 
     def lora_params(self, r: int, targets: str = "all-linear") -> int:
         """Trainable parameters of LoRA rank `r` on `targets` ('all-linear' or comma-separated names)."""
@@ -97,8 +156,24 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        return (self.vocab * self.hidden * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+        embed = (self.vocab + self.extra_embeddings) * self.hidden
+        return (embed + (0 if self.tied else self.vocab * self.hidden) + self.layers_params + self.hidden
                 + self.vision_linear + self.vision_other)
+
+
+def _experts(text, kind) -> dict:
+    """The mixture-of-experts fields of a config (Mixtral: every layer; Qwen-MoE: every `decoder_sparse_step`-th
+    layer but those in `mlp_only_layers`, and Qwen2-MoE's shared expert)."""
+    n = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 0
+    if kind not in ("mixtral", "qwen2_moe", "qwen3_moe") or not n:
+        return {}
+    if kind == "mixtral":
+        return dict(experts=n, experts_per_token=text.num_experts_per_tok, expert_intermediate=text.intermediate_size,
+                    moe_layers=text.num_hidden_layers)
+    step, dense = getattr(text, "decoder_sparse_step", 1) or 1, set(getattr(text, "mlp_only_layers", None) or ())
+    moe = sum(1 for i in range(text.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+    return dict(experts=n, experts_per_token=text.num_experts_per_tok, expert_intermediate=text.moe_intermediate_size,
+                shared_intermediate=getattr(text, "shared_expert_intermediate_size", 0) or 0, moe_layers=moe)
 
 
 def _mllama_vision(vc, text_hidden: int) -> dict:
@@ -146,6 +221,7 @@ class Plan:
     breakdown: dict = field(default_factory=dict)
     fits: bool = True
     notes: list = field(default_factory=list)
+    rates_of: str = Machine.name  # the machine whose measured rates give step_s and the PCIe time
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -192,14 +268,15 @@ class Plan:
              f"{self.resident_layers} of {self.layers} on the GPU, {self.layers - self.resident_layers} swapped "
              f"from pinned CPU memory"),
             ("GPU peak (reserved)", f"{self.gpu_peak_gib:.1f} GiB"
-             + (f" of {self.gpu_budget_gib:g} GiB" if self.gpu_budget_gib else "")),
+             + (f" of {self.gpu_budget_gib:g} GiB" if self.gpu_budget_gib else
+                " (no GPU budget: this machine has no GPU; gpu_memory_limit_gb plans for a card of that size)")),
             ("host peak (RSS + pinned)", f"{self.host_peak_gib:.1f} GiB"
              + (f" (with a save's {self.save_shard_gib:.1f} GiB shard)" if self.save_shard_gib else "")
              + (f" of {self.host_budget_gib:.1f} GiB" if self.host_budget_gib else "")),
             ("PCIe per step", f"{self.pcie_gb_per_step:.1f} GB"),
             ("step time", f"{self.step_s:.2f} s ({self.ranks * self.accum * self.batch * self.seq / self.step_s:,.0f} "
                           f"tok/s{f' over {self.ranks} GPUs' if self.ranks > 1 else ''}; "
-                          f"all on one big GPU: {self.native_step_s:.2f} s)"),
+                          f"all on one big GPU: {self.native_step_s:.2f} s) at the rates of {self.rates_of}"),
         ]
         w = max(len(k) for k, _ in rows)
         lines = [f"{k.ljust(w)}  {v}" for k, v in rows]
@@ -212,49 +289,51 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
               activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
               resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
               block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1, fused_update: bool = True,
-              device_states: float = 0, save_shard: int = 0) -> dict:
+              device_states: float = 0, save_shard: int = 0, wb: int = 2) -> dict:
     """Memory of one micro-batch of `batch` x `seq` tokens; traffic and time of one optimizer step of `accum`
     micro-batches. Data parallel over `ranks` processes (`node_ranks` of them on this host): each holds 1/ranks of
     the states; GPU figures are per process, host figures per node. `device_states`: bytes of 8-bit states kept on
-    the GPU (their tensors' gradients are never offloaded either)."""
+    the GPU (their tensors' gradients are never offloaded either). `wb`: bytes per value of the model's dtype (weights,
+    gradients, activations: 2 for bf16, 4 for float32); the 8-bit states are 2 bytes per value whatever it is."""
     h, inter, L, V = shape.hidden, shape.intermediate, shape.layers, shape.vocab
     T = batch * seq
     swapped = L - (L if resident is None else resident)
     if weight_bits == 4:  # NF4 linears: half a byte per value + absmax (1 byte per 64, double-quantized); bf16 norms
-        layer_bytes = (shape.layer_params - 2 * h) * (0.5 + 1 / 64) + 2 * h * 2
+        layer_bytes = (shape.layer_params - 2 * h) * (0.5 + 1 / 64) + 2 * h * wb
     else:
-        layer_bytes = 2 * shape.layer_params
+        layer_bytes = wb * shape.layer_params
     # reused GPU slots of the swapped layers: a pool per kind of layer (Mllama: self- and cross-attention)
     pools = 2 if shape.cross_layers and swapped > shape.cross_layers else 1
     swap_gpu = min(swap_slots, swapped) * layer_bytes * pools
-    vision_bytes = shape.vision_linear * ((0.5 + 1 / 64) if weight_bits == 4 else 2)
-    weights = 2 * (params - L * shape.layer_params - shape.vision_linear) + (L - swapped) * layer_bytes + vision_bytes
+    vision_bytes = shape.vision_linear * ((0.5 + 1 / 64) if weight_bits == 4 else wb)
+    # (resident layers counted at the largest layer's size: an MoE model's dense layers are over-counted)
+    weights = wb * (params - shape.layers_params - shape.vision_linear) + (L - swapped) * layer_bytes + vision_bytes
     largest = V * h
     chunk = min(chunk_numel, largest)
     all_states = 2 * params * (1 + 4 / block) / ranks  # this process's share of the 8-bit states
     streamed_any = device_states < all_states  # (all on the GPU: no slots either)
-    slots = inflight * chunk * (2 + 8 / block + (2 if offload_gradients else 0)) if not lora and streamed_any else 0
+    slots = inflight * chunk * (2 + 8 / block + (wb if offload_gradients else 0)) if not lora and streamed_any else 0
     # torchao's compiled update materialises both fp32 moments of a chunk; the fused kernel keeps them in registers
     update_temps = 2 * 4 * chunk if not (lora or fused_update) else 0
     adapters = 16 * lora  # LoRA: fp32 weights, gradients and two AdamW moments, all on the GPU
-    ckpt_per_layer = T * h * 2
+    ckpt_per_layer = T * h * wb
     checkpoints = (2 if activation_offload else L) * ckpt_per_layer  # offloaded: the one in use + one prefetched
-    loss = (loss_chunk if loss_chunk else T) * V * 10 + 2 * T * h * 2  # fp32 logits + grad, bf16 logits; hidden
-    head_grad = 2 * largest if not lora else 0
-    layer_ws = 10 * T * h * 2 + 6 * T * inter * 2  # one layer's recompute activations and their grads
+    loss = (loss_chunk if loss_chunk else T) * V * 10 + 2 * T * h * wb  # fp32 logits + grad, bf16 logits; hidden
+    head_grad = wb * largest if not lora else 0
+    layer_ws = (10 * T * h + 6 * T * inter) * wb  # one layer's recompute activations and their grads
     if weight_bits == 4:
         layer_ws += 2 * h * inter  # the largest weight, dequantized for its matmul
     if shape.cross_layers:
         # SDPA with the image mask runs the math kernel: the (heads x tokens x image tokens) scores are materialised,
         # ~4 bf16 copies in the recompute + backward of a cross-attention layer (measured: 90B Vision, 1 x 2048)
-        layer_ws += 4 * shape.heads * T * shape.cross_tokens * 2
-    layer_grads = 2 * shape.layer_params if not lora else 0
+        layer_ws += 4 * shape.heads * T * shape.cross_tokens * wb
+    layer_grads = wb * shape.layer_params if not lora else 0
     grads_wait = clip or accum > 1  # gradients outlive their backward: until the norm, or the next micro-batch
-    grads_kept = 2 * params if grads_wait and not offload_gradients and not lora else 0
+    grads_kept = wb * params if grads_wait and not offload_gradients and not lora else 0
     if ranks > 1 and grads_kept:  # data parallel: once reduced, each owner keeps its share (micro-batches before
         # the last sum on each device, unless offload_gradients reduces each one and sums the means on the host)
-        grads_kept = 2 * params if accum > 1 else 2 * params / ranks
-    device_grads = device_states / (1 + 4 / block)  # 2 bytes per value of the tensors whose states stay
+        grads_kept = wb * params if accum > 1 else wb * params / ranks
+    device_grads = device_states / (1 + 4 / block) * wb / 2  # the gradients of the tensors whose states stay
     if grads_kept and accum > 1:
         # the sums of earlier micro-batches are live through each later micro-batch's backward
         start = phase = grads_kept + checkpoints + max(loss + head_grad, layer_ws)
@@ -274,11 +353,11 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
             else:
                 phase = max(phase, grads_kept + layer_ws + 2 * layer_grads)
     allocated = weights + swap_gpu + slots + update_temps + adapters + device_states + phase
-    slack = 9 * T * inter * 2  # allocator blocks freed between layers but not reused across sizes
+    slack = 9 * T * inter * wb  # allocator blocks freed between layers but not reused across sizes
     reserved = allocated + slack
 
     states = all_states - device_states if not lora else 0  # this process's, streamed
-    host_grads = 2 * params / ranks - device_grads if offload_gradients and not lora else 0
+    host_grads = wb * params / ranks - device_grads if offload_gradients and not lora else 0
     host_acts = L * ckpt_per_layer if activation_offload else 0
     pinned = node_ranks * (states + host_grads + host_acts + swapped * layer_bytes)
     host = node_ranks * machine.host_base_gib * GiB + pinned + save_shard  # (one process saves)
@@ -296,7 +375,8 @@ def _estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: boo
     d2h = states + grad_moves + accum * host_acts + swap_d2h
     pcie = h2d + d2h
     # weights: forward + recompute + backward (input and weight gradients; LoRA: input gradients only)
-    flops = (6 if lora else 8) * params * T + 8 * L * T * seq * h  # + causal attention
+    active = params - (shape.params - shape.active_params)  # (an MoE token uses experts_per_token of the experts)
+    flops = (6 if lora else 8) * active * T + 8 * L * T * seq * h  # + causal attention
     flops += 16 * shape.cross_layers * T * shape.cross_tokens * h  # + cross-attention to the image (fwd x2, bwd)
     t_micro = flops / machine.train_flops * (machine.nf4_slowdown if weight_bits == 4 else 1.0)
     t_compute = accum * t_micro
@@ -368,7 +448,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
          offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
          lora_params: int = 0, weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
          fused_update: bool = True, device_states: str | float = 0, save_shard_bytes: int = 0,
-         machine: Machine = Machine()) -> Plan:
+         weight_bytes: int = 2, machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
 
     `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
@@ -379,6 +459,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     `lora_params` > 0: LoRA with that many adapter parameters on a frozen base
     of `weight_bits` (16, or 4 for bitsandbytes NF4); the adapters and their optimizer stay on the GPU.
     `fused_update`: the optimizer's Triton update (its default on CUDA); False: torchao's compiled update.
+    `weight_bytes`: bytes per value of the model's dtype (2: bf16 / fp16, 4: float32).
     `save_shard_bytes`: host memory a checkpoint's save adds (safetensors holds one shard in host memory while it
     writes it; `plan_from_args` counts one `SAVE_SHARD_BYTES` shard, or the whole weights when smaller).
     `device_states`: GiB of 8-bit states kept on the GPU (`StreamedAdamW8bit(device_state_bytes=)`), or "auto" (with a
@@ -408,7 +489,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                                  inflight=inflight, machine=machine, lora=lora_params, weight_bits=weight_bits,
                                  accum=accum, ranks=ranks, node_ranks=ranks if node_ranks is None else node_ranks,
                                  fused_update=fused_update, device_states=fixed_states,
-                                 save_shard=save_shard_bytes)
+                                 save_shard=save_shard_bytes, wb=weight_bytes)
     tried = []
     # Every layer resident first (no swap traffic); then as many resident layers as fit.
     if layer_swap is False:
@@ -423,6 +504,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                 switches = dict(batch=batch, seq=seq, offload_gradients=og, activation_offload=act, resident=resident)
                 e = estimate(**switches)
                 p = Plan(params=n, batch=batch, seq=seq, clip=clip, offload_gradients=og, lora_params=lora_params,
+                         rates_of=machine.name,
                          activation_offload=act, accum=accum, ranks=ranks,
                          gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb,
                          resident_layers=resident, layers=L, device_state_gib=fixed_states / GiB,
@@ -459,6 +541,13 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                             "longer than the GPU's work ({:.2f} s), so the CPU sets the pace -- and CPU-bound steps "
                             "vary between machines (3B at 1 x 2048 on H200 machines: 0.32-0.54 s measured, 0.30 s "
                             "predicted). Larger micro-batches hide it".format(*e["cpu_bound"]))
+                    if shape.experts and resident < L:
+                        p.notes.append(
+                            f"each swapped MoE layer holds all {shape.experts} experts "
+                            f"({weight_bytes * shape.layer_params / GiB:.2f} GiB), fetched for its forward and again "
+                            f"for its backward although each token uses {shape.experts_per_token} of them: swapping "
+                            f"moves {shape.experts / shape.experts_per_token:.0f}x the weights a dense layer of the "
+                            f"same compute would")
                     if swapped_clip:
                         p.notes.append("with layers swapped and exact clipping, the forward after backward waits for "
                                        "each layer's gradient and 8-bit states and each swapped layer's weights to "
@@ -468,7 +557,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
         if resident < L and any(t.gpu_peak_gib * GiB <= gpu_usable for t in tried):
             break  # fewer resident layers only need more host RAM
     raise PlanError(_advice(tried, estimate, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb,
-                            machine))
+                            machine, weight_bytes))
 
 
 DEVICE_STATE_MARGIN_GIB = 0.25  # of the GPU budget left free when "auto" keeps the embedding's states on the GPU
@@ -497,7 +586,7 @@ def _predicted(e: dict) -> dict:
                 native_step_s=e["native"], breakdown=e["breakdown"])
 
 
-def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine) -> str:
+def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine, wb: int = 2) -> str:
     best = min(tried, key=lambda p: p.gpu_peak_gib)
     same_switches = functools.partial(estimate, offload_gradients=best.offload_gradients,
                                       activation_offload=best.activation_offload, resident=best.resident_layers)
@@ -513,7 +602,8 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
             msgs.append("Swapping decoder layers through pinned CPU memory fits: layer_swap: auto "
                         "(the planner keeps as many layers on the GPU as fit).")
         if fixed["reserved"] > gpu_usable and not swap_helps:
-            msgs.append(f"The weights alone ({2 * n / GiB:.1f} GiB in bf16) and the optimizer's buffers do not fit"
+            msgs.append(f"The weights alone ({wb * n / GiB:.1f} GiB in {'float32' if wb == 4 else 'bf16'}) and the "
+                        f"optimizer's buffers do not fit"
                         + (f" even with {best.resident_layers} of {best.layers} layers on the GPU"
                            if best.resident_layers < best.layers else "")
                         + f": use LoRA (peft), or a GPU with more than "
@@ -529,11 +619,11 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
     gpu_ok = [p for p in tried if p.gpu_peak_gib * GiB <= gpu_usable]
     if gpu_ok:  # the GPU is not the problem: host RAM is
         lean = min(gpu_ok, key=lambda p: p.host_peak_gib)
-        msgs.append(f"Host RAM: the plans that fit the GPU need {lean.host_peak_gib:.1f} GiB "
-                    f"(RSS + pinned), {host_gb:.1f} GiB available: "
-                    + ("max_grad_norm: 0 updates during backward and needs no host gradient buffer "
-                       f"({2 * n / GiB:.1f} GiB less); " if lean.offload_gradients else "")
-                    + ("or add RAM." if lean.lora_params else "or add RAM, or use LoRA."))
+        fixes = (["max_grad_norm: 0 (updates during backward need no host gradient buffer: "
+                  f"{wb * n / GiB:.1f} GiB less)"] if lean.offload_gradients else []) + ["more RAM"]
+        fixes += [] if lean.lora_params else ["LoRA"]
+        msgs.append(f"Host RAM: the plans that fit the GPU need {lean.host_peak_gib:.1f} GiB (RSS + pinned), but "
+                    f"{host_gb:.1f} GiB are available. Use " + ", or ".join(fixes) + ".")
     return "no plan fits. " + " ".join(msgs)
 
 
@@ -580,7 +670,9 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
         node_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     else:
         node_ranks = ranks
-    saved = 2 * shape.params  # bf16 weights (LoRA too: the command saves a merged model)
+    wb = dtype_bytes(getattr(model_args, "torch_dtype", None) or getattr(config, "dtype", None)
+                     or getattr(config, "torch_dtype", None))
+    saved = wb * shape.params  # the weights (LoRA too: the command saves a merged model)
     return plan(config, batch=args.per_device_train_batch_size, seq=seq, gpu_memory_limit_gb=gpu,
                 host_memory_gb=host_gb, max_grad_norm=args.max_grad_norm or 0.0,
                 loss_chunk=getattr(args, "loss_chunk_size", 1024),
@@ -594,7 +686,12 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
                 bool(getattr(args, "offload_gradients", False)),
                 layer_swap=layer_swap_setting(getattr(args, "layer_swap", "off")), lora_params=lora, weight_bits=bits,
                 accum=max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1)), ranks=ranks or 1,
-                node_ranks=node_ranks, save_shard_bytes=min(SAVE_SHARD_BYTES, saved))
+                node_ranks=node_ranks, save_shard_bytes=min(SAVE_SHARD_BYTES, saved), weight_bytes=wb)
+
+
+def dtype_bytes(dtype) -> int:
+    """Bytes per value of a model dtype ('float32', torch.float32, None: bf16's 2)."""
+    return 4 if str(dtype).replace("torch.", "") in ("float32", "float", "fp32") else 2
 
 
 def device_state_setting(value) -> str | float:

@@ -6,9 +6,7 @@ On CPU the same code runs with every stream being "now": copies and updates happ
 """
 from __future__ import annotations
 
-import collections
 import contextlib
-import threading
 import weakref
 
 import torch
@@ -160,80 +158,6 @@ class StallMeter:
                 still.append((before, after))
         self._pending = still
         return self._ms
-
-
-class LaunchThread:
-    """A thread that runs queued calls in order: the streamed optimizer's copies and updates can be queued from it, so
-    the thread running backward only hands each gradient over and goes on launching backward's kernels (queuing one
-    tensor's copies and update costs ~0.5-1 ms of Python, profiled). Kernel launches release the GIL, so the two
-    threads overlap, except where both run Python.
-
-    `submit(fn, *args, nbytes=n)`: waits first while more than `limit_bytes` of submitted work is not done (the
-    gradients it holds are GPU memory). `drain()`: waits until everything submitted has run, and re-raises the first
-    error of a call (the calls after it are dropped).
-    """
-
-    def __init__(self, device: torch.device, limit_bytes: int):
-        self._device, self._limit = device, limit_bytes
-        self._items: collections.deque = collections.deque()
-        self._cv = threading.Condition()
-        self._pending_bytes = 0
-        self._busy = False
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="offload-trainer-launch", daemon=True)
-        self._thread.start()
-
-    def submit(self, fn, *args, nbytes: int = 0) -> None:
-        with self._cv:
-            while self._pending_bytes > self._limit and (self._items or self._busy) and self._error is None:
-                self._cv.wait()
-            self._raise()
-            self._items.append((fn, args, nbytes))
-            self._pending_bytes += nbytes
-            self._cv.notify_all()
-
-    def drain(self) -> None:
-        with self._cv:
-            while (self._items or self._busy) and self._error is None:
-                self._cv.wait()
-            self._raise()
-
-    def close(self) -> None:
-        """Stop the thread once the calls queued so far have run (without waiting for it)."""
-        with self._cv:
-            self._items.append((None, (), 0))
-            self._cv.notify_all()
-
-    def _raise(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise RuntimeError("the optimizer's launch thread failed (see the cause above)") from error
-
-    def _run(self) -> None:
-        if self._device.type == "cuda":
-            torch.cuda.set_device(self._device)  # the current device is per thread
-        while True:
-            with self._cv:
-                while not self._items:
-                    self._cv.wait()
-                fn, args, nbytes = self._items.popleft()
-                if fn is None:  # close()
-                    return
-                self._busy = True
-            try:
-                with torch.no_grad():  # grad mode is per thread too
-                    fn(*args)
-            except BaseException as e:  # kept for drain() / submit() on the caller's thread
-                with self._cv:
-                    self._error = self._error or e
-                    self._pending_bytes -= sum(n for *_, n in self._items)
-                    self._items.clear()
-            finally:
-                fn = args = None  # drop the gradient (and the optimizer) before waking the waiters
-                with self._cv:
-                    self._busy = False
-                    self._pending_bytes -= nbytes
-                    self._cv.notify_all()
 
 
 def pinned_empty(numel: int, dtype: torch.dtype, *, pin: bool) -> torch.Tensor:

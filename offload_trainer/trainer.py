@@ -28,7 +28,7 @@ from transformers import Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 
 from .activations import enable_activation_offload
-from .args import (OffloadTrainingArguments, checkpointing_on, offload_conflict, several_gpus_conflict,
+from .args import (OffloadFields, OffloadTrainingArguments, checkpointing_on, offload_conflict, several_gpus_conflict,
                    streams_optimizer)
 from .checkpoint import (STAGING_PREFIX, check_checkpoint, clean_staging, load_optimizer_states,
                          newest_complete_checkpoint, optimizer_shard_name, publish)
@@ -132,17 +132,19 @@ class OffloadMixin:
         super().__init__(*args, **kwargs)
         try:  # (an optimizer handed over is honoured: the Trainer's own path, said in the log)
             self._streaming, self._not_streaming_why = streams_optimizer(
-                self.args, optimizer_given=self.optimizer is not None or self.optimizer_cls_and_kwargs is not None)
+                self.args, optimizer_given=self.optimizer is not None or self.optimizer_cls_and_kwargs is not None,
+                model=self.model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         # Non-finite steps are skipped (the states stay sane); a plain TrainingArguments, where the Trainer would
         # train on, never stops on them, ours stops after max_nonfinite_steps in a row (0: no check).
-        own_args = isinstance(self.args, OffloadTrainingArguments)
+        own_args = isinstance(self.args, OffloadFields)
         self._check_nonfinite = bool(self.args.max_nonfinite_steps) if own_args else True
         self._nonfinite_limit = self.args.max_nonfinite_steps if own_args else 0
         self._offload_opt: StreamedAdamW8bit | None = None
         self._tokens_since_log = 0
         self._last_log_time = time.perf_counter()
+        self._paused_s = 0.0  # saving and evaluating since the last log (`_not_training_time`)
         self._last_bytes = 0
         self._last_stall_ms = 0.0
         self._last_trim_step: int | None = None
@@ -183,8 +185,9 @@ class OffloadMixin:
         self._want_activations = self._resolved("activation_offload") and checkpointing_on(self.args)
         self._interrupted = None
         self._last_trim_step = None
+        self._last_log_time, self._paused_s, self._tokens_since_log = time.perf_counter(), 0.0, 0
         self._nonfinite.update(in_a_row=0, stopped=False)
-        if self._streaming and not isinstance(self.args, OffloadTrainingArguments) and not self._said_nonfinite:
+        if self._streaming and not isinstance(self.args, OffloadFields) and not self._said_nonfinite:
             self._said_nonfinite = True
             logger.info("non-finite steps: an optimizer step whose loss or gradient norm is NaN/inf is skipped (weights "
                         "and 8-bit states kept), where the Trainer would apply it; training goes on, as the Trainer's "
@@ -324,7 +327,20 @@ class OffloadMixin:
     def _get_output_dir(self, trial):
         return getattr(self, "_staging_run_dir", None) or super()._get_output_dir(trial)
 
+    @contextlib.contextmanager
+    def _not_training_time(self):
+        """Time spent saving or evaluating: left out of the logged tok/s (it dipped at every save and evaluation)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_s += time.perf_counter() - t0
+
     def _save_checkpoint(self, model, trial):
+        with self._not_training_time():
+            self._save_checkpoint_staged(model, trial)
+
+    def _save_checkpoint_staged(self, model, trial):
         """The Trainer's checkpoint, written into a staging directory and renamed into place when complete."""
         run_dir = self._get_output_dir(trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
@@ -453,6 +469,8 @@ class OffloadMixin:
         peft = hasattr(self.model, "get_base_model")
         if self._plan is not None or not (self._streaming or peft):
             return
+        if not getattr(self.args, "gpu_memory_limit_gb", None) and self.args.device.type != "cuda":
+            return  # (a plan is of GPU memory, PCIe traffic and GPU step time: none applies on a CPU)
         lora = sum(p.numel() for p in self.model.parameters() if p.requires_grad) if peft else 0
         bits = 4 if getattr(self.model.get_base_model() if peft else self.model, "is_loaded_in_4bit", False) else 16
         config = getattr(self.model, "config", None)
@@ -464,7 +482,9 @@ class OffloadMixin:
         gpu_gb = getattr(self.args, "gpu_memory_limit_gb", None) or gpu_budget_gib(Machine().cuda_context_gib)
         try:
             self._plan = plan_from_args(self.args, config, seq, gpu_gb=gpu_gb, lora_params=lora, weight_bits=bits)
-        except (AttributeError, TypeError):  # not a decoder-only LM config the planner knows
+        except (AttributeError, TypeError) as e:  # not a decoder-only LM config the planner knows
+            logger.info("no plan: %s", e if isinstance(e, PlanError) else "the model's config has no shape the "
+                        "planner reads")
             return
         except PlanError as e:
             if getattr(self.args, "gpu_memory_limit_gb", None):
@@ -703,19 +723,21 @@ class OffloadMixin:
 
     def evaluate(self, *args, **kwargs):
         self._synchronize()
-        if not self._device_loss_filter:
-            return super().evaluate(*args, **kwargs)
-        self.args.logging_nan_inf_filter = True  # (evaluation filters its losses on the host, after its loop)
-        try:
-            return super().evaluate(*args, **kwargs)
-        finally:
-            self.args.logging_nan_inf_filter = False
+        with self._not_training_time():
+            if not self._device_loss_filter:
+                return super().evaluate(*args, **kwargs)
+            self.args.logging_nan_inf_filter = True  # (evaluation filters its losses on the host, after its loop)
+            try:
+                return super().evaluate(*args, **kwargs)
+            finally:
+                self.args.logging_nan_inf_filter = False
 
     # -------------------------------------------------------------- logs
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if "loss" in logs:  # a training log: add throughput and memory
             now = time.perf_counter()
-            dt = max(now - self._last_log_time, 1e-9)
+            dt = max(now - self._last_log_time - self._paused_s, 1e-9)
+            self._paused_s = 0.0
             logs["tok_per_s"] = round(self._tokens_since_log / dt, 1)
             step = self.state.global_step
             if self._last_trim_step is None or step - self._last_trim_step >= TRIM_EVERY_STEPS:
@@ -738,9 +760,13 @@ class OffloadMixin:
                 self._last_bytes, self._last_stall_ms = moved, stall
             if self._nonfinite["skipped"]:
                 logs["nonfinite_skipped"] = self._nonfinite["skipped"]
-            logger.info("step %d | loss %.4f | %.0f tok/s | gpu peak %s GiB | pcie %s GB/s | stall %s ms",
-                        self.state.global_step, logs["loss"], logs["tok_per_s"], logs.get("gpu_peak_gib", "-"),
-                        logs.get("pcie_gb_per_s", "-"), logs.get("gpu_stall_ms", "-"))
+            if "gpu_peak_gib" in logs:
+                logger.info("step %d | loss %.4f | %.0f tok/s | gpu peak %s GiB | pcie %s GB/s | stall %s ms",
+                            self.state.global_step, logs["loss"], logs["tok_per_s"], logs["gpu_peak_gib"],
+                            logs.get("pcie_gb_per_s", "-"), logs.get("gpu_stall_ms", "-"))
+            else:  # (no GPU: what applies here)
+                logger.info("step %d | loss %.4f | %.0f tok/s | host rss %s GiB", self.state.global_step,
+                            logs["loss"], logs["tok_per_s"], logs.get("host_rss_gib", "-"))
             self._tokens_since_log = 0
             self._last_log_time = now
         super().log(logs, start_time)

@@ -20,6 +20,7 @@ logging_steps: 1
 save_steps: 1
 report_to: none
 seed: 0
+offload_optimizer: true
 """
 
 

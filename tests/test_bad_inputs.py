@@ -36,8 +36,8 @@ CONFIG_ROWS = {
     "optim-not-adamw": ("offload_optimizer: true\noptim: sgd\n",
                         "offload_optimizer=True streams 8-bit AdamW states, but optim='sgd'"),
     "activation-offload-without-checkpointing": ("activation_offload: true\n",
-                                                 "set gradient_checkpointing: true as well"),
-    "layer-swap-without-checkpointing": ("layer_swap: auto\n", "set gradient_checkpointing: true as well"),
+                                                 "set activation_checkpointing: true as well"),
+    "layer-swap-without-checkpointing": ("layer_swap: auto\n", "set activation_checkpointing: true as well"),
     "with-fsdp": ("fsdp: full_shard\n", "cannot run under fsdp"),
     "sequence-too-long": ("max_seq_length: 100000\n", "is longer than the model's 2048 positions"),
     "resume-missing-path": ("resume_from_checkpoint: /nonexistent\n",
@@ -148,9 +148,9 @@ def test_host_ram_too_small(tmp_path, capsys, monkeypatch, no_model_load):
 
     monkeypatch.setattr(planner, "host_memory_gib", lambda: 16.0)
     expect(Case(tmp_path, "model_config: llama3-8b\nmodel_overrides: {}\ngpu_memory_limit_gb: 24\n"
-                          "max_seq_length: 2048\n"
+                          "max_seq_length: 2048\ntorch_dtype: bfloat16\n"
                           "per_device_train_batch_size: 4\nmax_grad_norm: 0\n"), capsys, 2,
-           "Host RAM: the plans that fit the GPU need", "16.0 GiB available")
+           "Host RAM: the plans that fit the GPU need", "but 16.0 GiB are available")
 
 
 def test_disk_too_small(tmp_path, capsys, monkeypatch):

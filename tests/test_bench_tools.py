@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
@@ -86,7 +87,8 @@ def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypat
     assert row["step_s_median"] == pytest.approx(1024 / row["tok_per_s"], abs=2e-4) and row["error"] is None
     assert row["system"] == "offload_trainer_cli" and row["extra"]["losses"] == [x["loss"] for x in logs]
     assert row["host_peak_gib"] > 0
-    assert row["predicted"]["host_peak_gib"] > 0 and row["predicted"]["fits"]  # the Trainer's own plan
+    # the Trainer plans GPU memory and time: on a GPU the row carries its plan, here (no GPU) there is none
+    assert ("predicted" in row) == torch.cuda.is_available()
     assert row["extra"]["activation_offload"] is False  # (tiny-cpu.yaml: no gradient checkpointing to offload)
     # steps 3 and 4 profiled (CPU only here): the Trainer's own calls are among the top CPU ops, the trace written
     prof = row["extra"]["profile"]

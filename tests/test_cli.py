@@ -40,11 +40,98 @@ def test_train_tiny_config_end_to_end(tmp_path, monkeypatch):
     assert steps == [3, 6] and values == losses
 
 
-def test_keys_lists_our_fields_with_help(capsys):
+def test_keys_lists_every_key_with_type_and_default(capsys):
     assert cli.main(["keys"]) == 0
     out = capsys.readouterr().out
-    assert "offload_optimizer\n    Keep AdamW states 8-bit" in out
-    assert "learning_rate\n    (TrainingArguments)" in out
+    assert "offload_optimizer" in out and "bool | null = null\n      Keep AdamW states 8-bit" in out
+    assert "  learning_rate" in out and "float = 5e-05" in out
+    assert "max_length (max_seq_length)" in out  # the aliases
+
+
+def test_the_shipped_keys_table_is_the_live_one():
+    """assets/keys.json is what `keys` prints without importing transformers: it must equal the fields as they are
+    (regenerate it with `python -m offload_trainer.keys --write` when they change, or transformers does)."""
+    from importlib import resources
+
+    from offload_trainer.keys import build_table
+
+    shipped = json.loads((resources.files("offload_trainer") / "assets" / "keys.json").read_text())
+    live = build_table()
+    if shipped["transformers"] != live["transformers"]:
+        pytest.fail(f"assets/keys.json is for transformers {shipped['transformers']}, this is "
+                    f"{live['transformers']}: run python -m offload_trainer.keys --write")
+    assert shipped == json.loads(json.dumps(live))
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["keys"]])
+def test_help_and_keys_answer_fast_and_print_no_warnings(argv):
+    """A new process, as a user runs it: under 2 s on the CI machine (the heavy stack is not imported), nothing on
+    stderr."""
+    import subprocess
+    import sys
+    import time
+
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "offload_trainer.cli", *argv], capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if k != "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"})
+    took = time.perf_counter() - t0
+    assert r.returncode == 0 and r.stdout.strip()
+    assert r.stderr == "", r.stderr
+    assert took < 2.0, f"{argv}: {took:.2f} s"
+
+
+@pytest.mark.parametrize("key, hint", [
+    ("base_model", "here it is model_name_or_path"), ("micro_batch_size", "per_device_train_batch_size"),
+    ("sequence_len", "max_seq_length"), ("sample_packing", "packing"), ("train_on_inputs", "completion_only_loss"),
+    ("val_set_size", "eval_fraction"), ("cutoff_len", "max_seq_length"), ("dtype", "torch_dtype"),
+    ("use_peft", "lora_r"),
+])
+def test_keys_of_other_tools_get_our_name(key, hint, tmp_path, capsys):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model_config: tiny-llama\n{key}: 1\n")
+    assert cli.main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert f"unknown key {key!r} (a key of another fine-tuning tool); here it is" in err and hint in err
+
+
+def test_aliases_with_the_same_meaning_are_accepted(tmp_path):
+    from offload_trainer.config import load_config, parse_args
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model_config: tiny-llama\nmax_length: 96\ntext_field: body\noutput_dir: {tmp_path}\n")
+    _, data_args, _ = parse_args(load_config(str(cfg)))
+    assert data_args.max_seq_length == 96 and data_args.dataset_text_field == "body"
+
+
+def test_a_local_looking_model_path_that_is_not_there_is_reported_at_once(tmp_path, capsys, monkeypatch):
+    """`outputs/smollm2-135m` before `example-model` ran: `outputs` is a directory here, so this is a path, not a Hub
+    id (the Hub lookup waited 40 s for a network that is not there, then raised an OSError)."""
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs").mkdir()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_name_or_path: outputs/smollm2-135m\n")
+    t0 = time.perf_counter()
+    assert cli.main(["train", str(cfg)]) == 2
+    assert time.perf_counter() - t0 < 5
+    assert "directory 'outputs/smollm2-135m' does not exist -- `offload-trainer example-model` writes it" in \
+        capsys.readouterr().err
+
+
+def test_report_prints_a_summary_and_says_what_to_do_without_a_state(tmp_path, capsys):
+    from offload_trainer.report import summary
+
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "a Python run writes it with trainer.save_state()" in capsys.readouterr().err
+    state = {"log_history": [{"step": 1, "loss": 5.0, "tok_per_s": 90.0, "host_rss_gib": 0.5},
+                             {"step": 2, "loss": 4.0, "tok_per_s": 100.0, "host_rss_gib": 0.6},
+                             {"step": 2, "eval_loss": 3.5}]}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "train loss 5.0000 -> 4.0000" in out and "eval loss   3.5000" in out and "100 tok/s" in out
+    assert summary(state) in out
 
 
 def test_train_reads_the_model_config_once(tmp_path, monkeypatch):

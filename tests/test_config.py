@@ -23,8 +23,10 @@ def no_model_load(monkeypatch):
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
-def test_shipped_config_loads(path):
-    model_args, data_args, training_args = parse_args(load_config(path))
+def test_shipped_config_loads(path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # (a fresh directory: smollm2's outputs/smollm2-135m is written by example-model)
+    model_args, data_args, training_args = parse_args(load_config(os.path.abspath(path) if not os.path.isabs(path)
+                                                                  else path))
     assert training_args.output_dir
     assert (model_args.model_name_or_path is None) != (model_args.model_config is None)
 
@@ -92,7 +94,7 @@ def test_types_are_checked_as_declared_after_a_parse(tmp_path):
 def test_layer_swap_off_and_on_survive_yaml_booleans(tmp_path):
     """YAML 1.1 reads bare yes/no/on/off as booleans: `layer_swap: off` and `save_strategy: no` must keep their
     meaning (the config reads YAML 1.2 booleans); a boolean key still takes yes/no/on/off."""
-    base = BASE.format(out=tmp_path) + "gradient_checkpointing: true\n"
+    base = BASE.format(out=tmp_path) + "activation_checkpointing: true\n"
     for text, want in (("off", "off"), ("on", "auto"), ("auto", "auto"), ("3", "3")):
         _, _, targs = parse_args(load_config(write(tmp_path, base), [f"layer_swap={text}"]))
         assert targs.layer_swap == want, (text, targs.layer_swap)

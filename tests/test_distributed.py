@@ -265,11 +265,11 @@ def test_trainer_two_gpus_match_one(tmp_path, swap):
     import subprocess
     import sys
 
-    log = torchrun(tmp_path / "two", f"layer_swap={swap}", "gradient_checkpointing=true")
+    log = torchrun(tmp_path / "two", f"layer_swap={swap}", "activation_checkpointing=true")
     assert "data parallel over 2 ranks" in log
     # one GPU visible: with two, one process would be the Trainer's DataParallel mode (refused, see trainer.py)
     r = subprocess.run([sys.executable, "-m", "offload_trainer.cli", "train", "configs/tiny-cpu.yaml",
-                        f"output_dir={tmp_path / 'one'}", *KEYS, f"layer_swap={swap}", "gradient_checkpointing=true",
+                        f"output_dir={tmp_path / 'one'}", *KEYS, f"layer_swap={swap}", "activation_checkpointing=true",
                         "gradient_accumulation_steps=2"], env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]

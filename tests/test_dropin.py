@@ -21,6 +21,13 @@ OUR_LOG_KEYS = {"tok_per_s", "host_rss_gib", "gpu_peak_gib", "pcie_gb_per_s", "h
                 "nonfinite_skipped"}
 
 
+class Streamed(TrainingArguments):
+    """The stock arguments, asking for the streamed optimizer (on a CPU it runs only when asked for; on a GPU plain
+    TrainingArguments get it by default): what a Trainer script sees, with the optimizer under test."""
+
+    offload_optimizer = True
+
+
 def args_for(out, cls=TrainingArguments, **kw):
     base = dict(output_dir=str(out), max_steps=6, per_device_train_batch_size=2, learning_rate=3e-3,
                 logging_steps=1, save_strategy="no", report_to="none", seed=0, data_seed=0, optim="adamw_torch")
@@ -28,15 +35,17 @@ def args_for(out, cls=TrainingArguments, **kw):
     return cls(**base)
 
 
-def pair(tmp_path, *, trainer_kw=None, setup_kw=None, **kw):
-    """(stock Trainer, OffloadTrainer) over the same tiny model, data and TrainingArguments."""
+def pair(tmp_path, *, trainer_kw=None, setup_kw=None, ours=Streamed, **kw):
+    """(stock Trainer, OffloadTrainer) over the same tiny model, data and TrainingArguments (`ours`: the arguments
+    class of our side)."""
     out = []
     for name, cls in (("stock", Trainer), ("ours", OffloadTrainer)):
         model, tok, train = tiny_setup(**{"seq": 32, "layers": 1, **(setup_kw or {})})
         extra = trainer_kw(model) if callable(trainer_kw) else dict(trainer_kw or {})
         if kw.get("eval_strategy", "no") != "no":
             extra.setdefault("eval_dataset", small(train))
-        t = cls(model=model, args=args_for(tmp_path / name, **kw), train_dataset=train, **extra)
+        args = args_for(tmp_path / name, ours if cls is OffloadTrainer else TrainingArguments, **kw)
+        t = cls(model=model, args=args, train_dataset=train, **extra)
         out.append(t)
     return out
 
@@ -164,7 +173,7 @@ def test_callbacks_are_the_trainers_and_fire_in_the_same_order(tmp_path):
 # ------------------------------------------------------------------------------------------ optimizer choices
 @pytest.mark.parametrize("optim", ["sgd", "adafactor", "rmsprop"])
 def test_a_non_adamw_optim_runs_the_trainers_own_and_says_so(tmp_path, optim, caplog):
-    stock, ours = pair(tmp_path, optim=optim, max_steps=3, learning_rate=1e-2)
+    stock, ours = pair(tmp_path, optim=optim, max_steps=3, learning_rate=1e-2, ours=TrainingArguments)
     with caplog.at_level(logging.INFO, logger="offload_trainer"):
         for t in (stock, ours):
             t.train()
@@ -196,7 +205,7 @@ def test_an_optimizer_passed_in_is_honoured(tmp_path, how, caplog):
         return {"optimizer_cls_and_kwargs": (torch.optim.SGD, {"lr": 1e-2})}
 
     with caplog.at_level(logging.INFO, logger="offload_trainer"):
-        stock, ours = pair(tmp_path, trainer_kw=kw, max_steps=3)
+        stock, ours = pair(tmp_path, trainer_kw=kw, max_steps=3, ours=TrainingArguments)
         for t in (stock, ours):
             t.train()
     assert isinstance(ours.optimizer.optimizer, torch.optim.SGD) and ours._offload_opt is None
@@ -257,7 +266,8 @@ def test_a_model_that_grows_a_buffer_resumes_as_with_the_trainer(tmp_path):
     results = {}
     for name, cls in (("stock", Trainer), ("ours", OffloadTrainer)):
         model, tok, train = tiny_setup(seq=32, layers=1)
-        args = args_for(tmp_path / name, save_strategy="steps", save_steps=2, max_steps=2)
+        args = args_for(tmp_path / name, Streamed if cls is OffloadTrainer else TrainingArguments,
+                        save_strategy="steps", save_steps=2, max_steps=2)
         t = cls(model=GrowingBuffer(model), args=args, train_dataset=train)
         t.train()
         model, tok, train = tiny_setup(seq=32, layers=1)
@@ -271,7 +281,8 @@ def test_a_model_that_grows_a_buffer_resumes_as_with_the_trainer(tmp_path):
 # ------------------------------------------------------------------------------------------ non-finite steps
 def test_nonfinite_steps_with_plain_arguments_train_on_as_the_trainer_does(tmp_path, caplog):
     """Every step's loss is NaN: the Trainer applies them (NaN weights), we skip them (weights kept); both train every
-    step, and our log says once what differs."""
+    step, and our log says once what differs. (Plain arguments asking for the streamed optimizer: what a plain
+    TrainingArguments gets on a GPU.)"""
     stock, ours = pair(tmp_path, max_steps=7)
     for t in (stock, ours):  # the final norm's output is NaN in training: the same loss for both loss paths
         t.model.model.norm.register_forward_hook(lambda m, i, o: o * float("nan") if m.training else o)
@@ -326,7 +337,8 @@ def test_model_init_builds_a_fresh_model_per_train(tmp_path):
     _, tok, train = tiny_setup(seq=32, layers=1)
     runs = []
     for cls in (Trainer, OffloadTrainer):
-        t = cls(model_init=init, args=args_for(tmp_path / cls.__name__, max_steps=2), train_dataset=train)
+        args = args_for(tmp_path / cls.__name__, Streamed if cls is OffloadTrainer else TrainingArguments, max_steps=2)
+        t = cls(model_init=init, args=args, train_dataset=train)
         t.train()
         runs.append([h["loss"] for h in train_logs(t)])
     assert len(runs[1]) == 2 and runs[1][0] == pytest.approx(runs[0][0], rel=1e-5) and math.isfinite(runs[1][1])
@@ -338,8 +350,9 @@ def test_a_streaming_dataset_trains_with_max_steps(tmp_path):
     runs = []
     for cls in (Trainer, OffloadTrainer):
         model, tok, train = tiny_setup(seq=32, layers=1)
-        stream = train.to_iterable_dataset()
-        t = cls(model=model, args=args_for(tmp_path / cls.__name__, max_steps=3), train_dataset=stream)
+        stream = train.with_format(None).to_iterable_dataset()  # (rows of lists: the collator makes tensors)
+        args = args_for(tmp_path / cls.__name__, Streamed if cls is OffloadTrainer else TrainingArguments, max_steps=3)
+        t = cls(model=model, args=args, train_dataset=stream)
         t.train()
         runs.append(train_logs(t))
     assert len(runs[0]) == len(runs[1]) == 3

@@ -107,7 +107,7 @@ def test_pretrained_qlora_with_layer_swap_through_the_cli(tmp_path, capsys, monk
     monkeypatch.setattr(models, "pretrained_4bit_layerwise", lambda *a, **k: calls.append(a) or load(*a, **k))
     rc = cli.main(["train", "configs/tiny-cpu.yaml", "model_config=null", f"model_name_or_path={path}",
                    "torch_dtype=bfloat16", "lora_r=8", "lora_alpha=16", "load_in_4bit=true", "layer_swap=2",
-                   "gradient_checkpointing=true",
+                   "activation_checkpointing=true",
                    "max_steps=2", "logging_steps=1", "save_strategy=no", "eval_fraction=0",
                    "per_device_train_batch_size=2", "max_seq_length=32", f"output_dir={tmp_path / 'out'}"])
     err = capsys.readouterr().err

@@ -88,10 +88,6 @@ MODES = {
     "hooks_grads_on_device_clip": (dict(), True, 0.5),
     "update_in_backward": (dict(update_in_backward=True), True, 0.0),
     "update_in_backward_offload_grads": (dict(update_in_backward=True, offload_gradients=True), True, 0.0),
-    # the same, the copies and updates queued from the launch thread (launch_thread=True)
-    "update_in_backward_thread": (dict(update_in_backward=True, launch_thread=True), True, 0.0),
-    "update_in_backward_offload_grads_thread": (dict(update_in_backward=True, offload_gradients=True,
-                                                     launch_thread=True), True, 0.0),
 }
 
 
@@ -111,8 +107,7 @@ def test_matches_torchao_adamw8bit_cpu(mode):
     assert rel_l2(ref, ours) == 0.0  # same eager arithmetic on CPU: bit-identical
 
 
-@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward_offload_grads",
-                                  "update_in_backward_offload_grads_thread"])
+@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward_offload_grads"])
 def test_accumulation_on_the_host_is_bit_identical(mode):
     """4 micro-batches (first, two middle, last) summed in pinned host memory = autograd's sum on the device."""
     kw, attach, max_norm = MODES[mode]
@@ -128,7 +123,7 @@ def test_accumulation_on_the_host_is_bit_identical(mode):
 def test_accumulated_gradients_wait_on_the_host_between_micro_batches():
     _, _, ours, opt = make_pair("cpu", update_in_backward=True, offload_gradients=True)
     opt.attach(ours)
-    big = [p for p in ours.parameters() if opt._is_8bit(p)]  # (host buffers are allocated at the first gradient)
+    big = [p for p in ours.parameters() if opt._states.is_8bit(p)]  # (host buffers are allocated at the first gradient)
     start = [p.detach().clone() for p in big]
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(5))
     for _ in range(2):
@@ -136,14 +131,14 @@ def test_accumulated_gradients_wait_on_the_host_between_micro_batches():
             ours.loss(ids).backward()
         assert big and all(p.grad is None for p in big)  # summed into the host buffer, freed on the device
     assert all(torch.equal(p, s) for p, s in zip(big, start))  # nothing updated yet
-    host = torch.cat([opt._host_grads[opt._offset[p]:opt._offset[p] + p.numel()] for p in big])
+    host = torch.cat([opt._states.host_grads[opt._states.offset[p]:opt._states.offset[p] + p.numel()] for p in big])
     opt.detach()  # a reference gradient, with no optimizer hook
     ours.loss(ids).backward()
     once = torch.cat([p.grad.reshape(-1) for p in big])
     assert torch.equal(host, once + once)
     ours.zero_grad()
     opt.zero_grad()
-    assert not opt._host_sum  # zero_grad drops what waited on the host
+    assert not opt._host_grads.sums  # zero_grad drops what waited on the host
 
 
 class HeadReadLM(TinyLM):
@@ -190,7 +185,7 @@ def test_step_queues_each_update_as_the_next_forward_reaches_its_unit(offload_gr
     opt.step()
     opt.zero_grad()
     unit_of = {p: i for i, u in enumerate(units) for p in u.parameters()}
-    assert {unit_of[p] for p in log} == set(range(LAUNCH_AHEAD + 1)) and opt._deferred
+    assert {unit_of[p] for p in log} == set(range(LAUNCH_AHEAD + 1)) and opt._schedule.deferred
     seen = {}
 
     def probe(i):  # registered after attach(): runs after the optimizer's hook of the unit
@@ -203,7 +198,7 @@ def test_step_queues_each_update_as_the_next_forward_reaches_its_unit(offload_gr
     model.loss(ids).backward()  # the next forward queues the rest as it goes; its backward finds them all queued
     for i in range(len(units)):
         assert seen[i] == set(range(min(i + LAUNCH_AHEAD, len(units) - 1) + 1)), i
-    assert len(log) == sum(1 for p in model.parameters()) and not opt._deferred
+    assert len(log) == sum(1 for p in model.parameters()) and not opt._schedule.deferred
     assert all(not torch.equal(before[n], p) for n, p in model.named_parameters())  # every tensor got its update
     opt.zero_grad()
 
@@ -280,7 +275,7 @@ def test_updates_that_draw_random_numbers_are_queued_by_step():
         model.loss(torch.randint(0, 128, (2, 9))).backward()
         opt.clip_grad_norm_(1.0)
         opt.step()
-        assert bool(opt._deferred) is not sr
+        assert bool(opt._schedule.deferred) is not sr
         opt.synchronize()
 
 
@@ -326,44 +321,6 @@ def test_the_guard_changes_nothing_on_finite_gradients():
     assert not torch.equal(out[0][0], p) and all(torch.equal(a, b) for a, b in zip(*out))
 
 
-def test_launch_thread_queues_the_updates_and_ends_with_the_optimizer():
-    import gc
-    import threading
-
-    _, _, ours, opt = make_pair("cpu", update_in_backward=True, launch_thread=True)
-    opt.attach(ours)
-    threads = []
-    original = [opt._update_chunk]
-    opt._update_chunk = lambda *a: (threads.append(threading.current_thread().name), original[0](*a))
-    ours.loss(torch.randint(0, 128, (2, 9))).backward()
-    assert float(opt.clip_grad_norm_(float("inf"))) > 0  # norms measured on the launch thread are there
-    opt.step()
-    assert threads and set(threads) == {"offload-trainer-launch"}
-    thread = opt._launcher._thread
-    opt.zero_grad()
-    opt.detach()
-    original.clear()
-    del opt
-    gc.collect()
-    thread.join(timeout=10)
-    assert not thread.is_alive()
-
-
-def test_an_error_on_the_launch_thread_is_raised_on_the_callers_thread():
-    """By the next hand-over of a gradient (in backward) or at the latest by step()."""
-    _, _, ours, opt = make_pair("cpu", update_in_backward=True, launch_thread=True)
-    opt.attach(ours)
-
-    def broken(*args):
-        raise ValueError("boom")
-
-    opt._update_chunk = broken
-    with pytest.raises(RuntimeError, match="launch thread failed") as e:
-        ours.loss(torch.randint(0, 128, (2, 9))).backward()
-        opt.step()
-    assert isinstance(e.value.__cause__, ValueError)
-
-
 def test_state_dict_is_torchao_layout_and_round_trips():
     ref, ref_opt, ours, opt = make_pair("cpu")
     run(ours, opt, steps=3, accum=1, max_norm=0, seed=2, streamed=True, device="cpu")
@@ -377,10 +334,10 @@ def test_state_dict_is_torchao_layout_and_round_trips():
             assert torch.equal(a.dequantize() if hasattr(a, "dequantize") else a,
                                b.dequantize() if hasattr(b, "dequantize") else b)
     # a torchao state dict loads into ours (in place, into the existing host buffers)
-    codes = opt.state[next(iter(opt._offset))]["exp_avg"].codes
+    codes = opt.state[next(iter(opt._states.offset))]["exp_avg"].codes
     ptr = codes.data_ptr()
     opt.load_state_dict(ref_sd)
-    assert opt.state[next(iter(opt._offset))]["exp_avg"].codes.data_ptr() == ptr
+    assert opt.state[next(iter(opt._states.offset))]["exp_avg"].codes.data_ptr() == ptr
 
 
 def test_learning_rate_is_a_python_float_wherever_a_user_reads_it():
@@ -425,10 +382,10 @@ def test_states_kept_on_the_device_match_torchao(mode):
     losses, norms = run(ours, opt, steps=20, accum=2, max_norm=max_norm, seed=5, streamed=True, device="cpu")
     # 8-bit tensors of TinyLM (16,640 state bytes each): embed, layers.0.up, layers.0.down, ... in model order. The
     # first two fit 40,000 bytes (with attach; without it, param-group order: the same two come first)
-    kept = [n for n, p in ours.named_parameters() if p in opt._on_device]
+    kept = [n for n, p in ours.named_parameters() if p in opt._states.on_device]
     assert kept == ["embed.weight", "layers.0.up.weight"]
-    streamed = sum(p.numel() for p in opt._offset)
-    assert opt._host_codes.shape == (2, streamed) and not set(opt._offset) & set(opt._on_device)
+    streamed = sum(p.numel() for p in opt._states.offset)
+    assert opt._states.host_codes.shape == (2, streamed) and not set(opt._states.offset) & set(opt._states.on_device)
     assert opt.memory_stats()["gpu_state_bytes"] == 2 * 16640
     if max_norm:
         assert norms == ref_norms
@@ -437,7 +394,7 @@ def test_states_kept_on_the_device_match_torchao(mode):
     for k in sd["state"]:
         for name in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(sd["state"][k][name].dequantize(), ref_sd["state"][k][name].dequantize())
-    codes = opt._on_device[ours.embed.weight][0]
+    codes = opt._states.on_device[ours.embed.weight][0]
     opt.load_state_dict(ref_sd)  # in place, into the device states too
     assert opt.state[ours.embed.weight]["exp_avg"].codes.data_ptr() == codes[0].data_ptr()
     assert torch.equal(codes[0], ref_sd["state"][0]["exp_avg"].codes.view(-1))
@@ -465,7 +422,7 @@ def test_gradients_are_freed_during_backward():
     _, _, ours, opt = make_pair("cpu", offload_gradients=True)
     opt.attach(ours)
     ours.loss(torch.randint(0, 128, (2, 9))).backward()
-    big = [p for p in ours.parameters() if p in opt._offset]
+    big = [p for p in ours.parameters() if p in opt._states.offset]
     assert big and all(p.grad is None for p in big)  # moved to the host buffer during backward
 
 
@@ -488,9 +445,9 @@ def test_gradients_waiting_on_the_device_are_bounded(update_in_backward):
     """Gradients waiting for their update (or copy to the host) hold GPU memory; past `grad_backlog_bytes` the CPU
     waits for the oldest of them, in order, instead of letting the backlog grow."""
     _, _, ours, opt = make_pair("cpu", offload_gradients=True, update_in_backward=update_in_backward)
-    big = [p for p in ours.parameters() if opt._is_8bit(p)]
+    big = [p for p in ours.parameters() if opt._states.is_8bit(p)]
     limit = 2 * max(p.numel() * p.element_size() for p in big)
-    opt.grad_backlog_bytes = limit
+    opt._states.grad_backlog_bytes = limit  # (read when the states are allocated, at the first gradient)
     waited, made, peak = [], [], [0]
     record = opt._streams.record
 
@@ -500,19 +457,20 @@ def test_gradients_waiting_on_the_device_are_bounded(update_in_backward):
         return made[-1]
 
     opt._streams.record = pending
-    hold = opt._hold
+    backlog = opt._pipeline.backlog  # (shared by the updates and the gradient copies)
+    hold = backlog.hold
 
     def checked(done, nbytes):
         hold(done, nbytes)
-        peak[0] = max(peak[0], opt._held_bytes)
+        peak[0] = max(peak[0], backlog.bytes)
 
-    opt._hold = checked
+    backlog.hold = checked
     opt.attach(ours)
     ours.loss(torch.randint(0, 128, (2, 9))).backward()
     total = sum(p.numel() * p.element_size() for p in big)
     assert total > limit and waited  # the backlog outgrew the limit: the CPU waited
     assert 0 < peak[0] <= limit
-    held = [e for e, _ in opt._held]
+    held = [e for e, _ in opt._pipeline.backlog.held]
     assert all(made.index(a) < made.index(b) for a, b in zip(waited, waited[1:]))  # oldest first
     assert all(made.index(w) < made.index(h) for w in waited for h in held)  # the ones still held are the newest
 
@@ -584,8 +542,8 @@ def test_nonfinite_gradient_blocks_leave_their_weights_and_8bit_states_alone(upd
 
     step(False)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    codes = opt._host_codes.clone()
-    off, n = opt._offset[target], target.numel()
+    codes = opt._states.host_codes.clone()
+    off, n = opt._states.offset[target], target.numel()
     step(True)
     # rows 0 and 120 (64 values each) lie in 256-value blocks 0 and 30: those stay, the other blocks update
     bad = torch.zeros(n // 256, dtype=torch.bool)
@@ -594,8 +552,8 @@ def test_nonfinite_gradient_blocks_leave_their_weights_and_8bit_states_alone(upd
     assert torch.equal(blocks(target.detach())[bad], blocks(before["layers.0.up.weight"])[bad])
     assert not torch.equal(blocks(target.detach())[~bad], blocks(before["layers.0.up.weight"])[~bad])
     for k in range(2):
-        assert torch.equal(blocks(opt._host_codes[k, off:off + n])[bad], blocks(codes[k, off:off + n])[bad])
-    assert torch.isfinite(opt._host_scales).all() and torch.isfinite(target).all()
+        assert torch.equal(blocks(opt._states.host_codes[k, off:off + n])[bad], blocks(codes[k, off:off + n])[bad])
+    assert torch.isfinite(opt._states.host_scales).all() and torch.isfinite(target).all()
     other = model.layers[1].up.weight
     assert not torch.equal(other, before["layers.1.up.weight"])  # the rest of the model did update
 
@@ -610,7 +568,7 @@ def test_every_state_on_the_device_streams_nothing(mode):
     ref_losses, _ = run(ref, ref_opt, steps=10, accum=2, max_norm=max_norm, seed=7, streamed=False, device="cpu")
     losses, _ = run(ours, opt, steps=10, accum=2, max_norm=max_norm, seed=7, streamed=True, device="cpu")
     assert losses == ref_losses and rel_l2(ref, ours) == 0.0
-    assert not opt._offset and opt._on_device and not opt._slots
+    assert not opt._states.offset and opt._states.on_device and not opt._states.slots
     assert opt.memory_stats()["host_state_bytes"] == 0 and opt.stats["h2d_bytes"] == opt.stats["d2h_bytes"] == 0
 
 
@@ -624,7 +582,9 @@ def test_norms_from_the_fused_updates_sums_are_each_tensors_sqrt_in_its_dtype():
     sums = {p: torch.rand((), generator=g) * 10 ** float(i) for i, p in enumerate(params[:3])}
     opt._plan.sumsq.update(sums)
     opt._plan.norms[params[3]] = torch.ones((), dtype=torch.float16)  # measured by a norm kernel: not taken
-    roots = opt._roots_of_sums()
+    from offload_trainer.optim.update import roots_of_sums
+
+    roots = roots_of_sums([p for p in params if p in opt._plan.sumsq and p not in opt._plan.norms], opt._plan.sumsq)
     assert {id(p) for p in roots} == {id(p) for p in params[:3]}
     for p, s in sums.items():
         assert roots[p].dtype == p.dtype and torch.equal(roots[p], s.sqrt().to(p.dtype))

@@ -16,8 +16,6 @@ MODES = {
     "offload_grads_clip": (dict(offload_gradients=True), 0.5),
     "grads_on_gpu_clip": (dict(), 0.5),
     "update_in_backward_offload_grads": (dict(update_in_backward=True, offload_gradients=True), 0.0),
-    # the same, the copies and updates queued from the launch thread:
-    "update_in_backward_launch_thread": (dict(update_in_backward=True, launch_thread=True), 0.0),
     # the embedding's states (first in model order) kept on the GPU, the others streamed:
     "update_in_backward_device_states": (dict(update_in_backward=True, device_state_bytes=40000), 0.0),
     "offload_grads_clip_device_states": (dict(offload_gradients=True, device_state_bytes=40000), 0.5),
@@ -43,8 +41,8 @@ def test_matches_torchao_on_gpu_50_steps(mode, dtype):
     ref, ref_opt, ours, opt = pair({}, dtype, **kw)
     a = run(ref, ref_opt, steps=50, accum=2, max_norm=max_norm, seed=1, streamed=False, device="cuda")
     b = run(ours, opt, steps=50, accum=2, max_norm=max_norm, seed=1, streamed=True, device="cuda")
-    assert opt._host_codes.is_pinned()
-    assert bool(opt._on_device) == ("device_state_bytes" in kw)
+    assert opt._states.host_codes.is_pinned()
+    assert bool(opt._states.on_device) == ("device_state_bytes" in kw)
     err = rel_l2(ref, ours)
     print(f"{mode} {dtype}: rel L2 {err:.2e}, last losses {a[0][-1]:.4f} / {b[0][-1]:.4f}")
     assert err <= 1e-3
@@ -88,7 +86,7 @@ def test_thin_wide_accumulation_on_the_host(mode):
     run(ref, ref_opt, steps=6, accum=3, max_norm=max_norm, seed=3, streamed=False, device="cuda")
     run(ours, opt, steps=6, accum=3, max_norm=max_norm, seed=3, streamed=True, device="cuda")
     err = change_err(ref, ours, start)
-    big = [p for p in ours.parameters() if p in opt._offset]
+    big = [p for p in ours.parameters() if p in opt._states.offset]
     before = torch.cuda.memory_allocated()
     with opt.no_update():  # one more micro-batch: its gradients go to the host sum
         ours.loss(torch.randint(0, 128, (4, 17), device="cuda")).backward()
@@ -102,12 +100,11 @@ def test_thin_wide_accumulation_on_the_host(mode):
     opt.zero_grad()
 
 
-@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward_launch_thread"])
+@pytest.mark.parametrize("mode", ["offload_grads_clip", "update_in_backward"])
 def test_thin_wide_without_syncs_diverges(monkeypatch, mode):
     """Negative control for the test above: with every stream wait_event removed, it must fail. Whether a read
     overtakes its copy is a race; with the fused update (0.2 ms per 25M values) one 10-step run stayed exact in 1
-    of 3 on the H200, and once (run 20261201-s20c, launch thread) three in a row did: up to six runs are made and
-    one must diverge."""
+    of 3 on the H200, and once three in a row did: up to six runs are made and one must diverge."""
     kw, max_norm = MODES[mode]
     errs = []
     for seed in range(2, 8):
@@ -202,7 +199,7 @@ def test_resume_mid_run_on_gpu(tmp_path, device_state_bytes):
 
     full, *_ = train(40)
     first, m, opt, sched = train(20)
-    assert bool(opt._on_device) == bool(device_state_bytes)
+    assert bool(opt._states.on_device) == bool(device_state_bytes)
     torch.save(opt.state_dict(), tmp_path / "optimizer.pt")  # as the Trainer saves and loads it
     opt_state = torch.load(tmp_path / "optimizer.pt", map_location="cpu", weights_only=True, mmap=True)
     saved = ({k: v.clone() for k, v in m.state_dict().items()}, opt_state, sched.state_dict())
@@ -276,5 +273,5 @@ def test_a_step_prepared_by_accelerate_never_syncs_the_device(mode):
                 torch.ones((), device="cuda").item()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    assert opt.stats["updates"] > updates and bool(opt._place)
+    assert opt.stats["updates"] > updates and bool(opt._states.place)
     assert all(type(g["lr"]) is float for g in opt.param_groups)

@@ -238,14 +238,16 @@ def test_plan_works_from_any_config_like_object():
 def test_plan_command_table_json_and_refusal(capsys, tmp_path):
     assert cli.main(["plan", "configs/tiny-cpu.yaml"]) == 0
     assert "GPU peak (reserved)" in capsys.readouterr().out
-    assert cli.main(["plan", "configs/tiny-cpu.yaml", "--json", "model_config=llama3-8b", "max_grad_norm=0",
+    bf16 = "torch_dtype=bfloat16"  # (the tiny config's is float32)
+    assert cli.main(["plan", "configs/tiny-cpu.yaml", "--json", "model_config=llama3-8b", "max_grad_norm=0", bf16,
                      "gpu_memory_limit_gb=24", "max_seq_length=2048", "per_device_train_batch_size=4"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["fits"] and not out["clip"] and out["gpu_peak_gib"] < 23.3
-    assert cli.main(["plan", "configs/tiny-cpu.yaml", "model_config=qwen2.5-14b", "gpu_memory_limit_gb=24"]) == 2
-    assert "layer_swap: auto" in capsys.readouterr().err
     assert cli.main(["plan", "configs/tiny-cpu.yaml", "model_config=qwen2.5-14b", "gpu_memory_limit_gb=24",
-                     "layer_swap=auto", "gradient_checkpointing=true", "max_seq_length=2048", "--json"]) in (0, 2)
+                     bf16]) == 2
+    assert "layer_swap: auto" in capsys.readouterr().err
+    assert cli.main(["plan", "configs/tiny-cpu.yaml", "model_config=qwen2.5-14b", "gpu_memory_limit_gb=24", bf16,
+                     "layer_swap=auto", "activation_checkpointing=true", "max_seq_length=2048", "--json"]) in (0, 2)
     out, err = capsys.readouterr()
     # with swapping the GPU fits; whether the host does depends on this machine's RAM (~58 GiB pinned needed)
     assert json.loads(out)["resident_layers"] < 48 if out else "Host RAM: the plans that fit the GPU need" in err
@@ -256,7 +258,7 @@ def test_plan_command_without_a_cap_plans_for_this_machines_gpu(capsys, monkeypa
     from offload_trainer import sysinfo
 
     argv = ["plan", "configs/tiny-cpu.yaml", "--json", "model_config=llama3.2-3b", "max_grad_norm=0",
-            "max_seq_length=2048", "per_device_train_batch_size=4"]
+            "torch_dtype=bfloat16", "max_seq_length=2048", "per_device_train_batch_size=4"]
     monkeypatch.setattr(sysinfo, "gpu_budget_gib", lambda context_gib: None)
     assert cli.main(argv) == 0
     none = json.loads(capsys.readouterr().out)
@@ -353,3 +355,86 @@ def test_small_micro_batches_are_paced_by_the_cpu():
     assert any("the CPU sets the pace" in n for n in small.notes)
     big = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0)
     assert big.step_s > 28 * 7.4e-3 + chunks * 3.5e-4 and not any("the CPU sets the pace" in n for n in big.notes)
+
+
+MOE = {
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
+                         num_experts_per_tok=2),
+    "qwen1.5-moe-a2.7b": dict(model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632,
+                              moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_hidden_layers=24,
+                              num_attention_heads=16, num_key_value_heads=16, vocab_size=151936, num_experts=60,
+                              num_experts_per_tok=4),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          vocab_size=151936, num_experts=128, num_experts_per_tok=8),
+    "qwen2-moe-every-2nd-layer": dict(model_type="qwen2_moe", hidden_size=256, intermediate_size=512,
+                                      moe_intermediate_size=128, shared_expert_intermediate_size=256,
+                                      num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=1000, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2,
+                                      mlp_only_layers=[5]),
+}
+
+
+def meta_params(cfg) -> int:
+    import torch
+
+    from offload_trainer.models import model_class
+
+    with torch.device("meta"):
+        model = model_class(cfg).from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "llama3.2-1b", "llama3.2-3b", "llama3-8b", "qwen2.5-14b", "llama3-70b",
+                                  "llama3.2-90b-vision", "tiny-mllama", *MOE])
+def test_parameter_count_equals_a_meta_build_of_the_model(name):
+    """Every architecture the planner accepts, MoE ones included (every expert counted), against transformers' own
+    model built on the meta device."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**MOE[name]) if name in MOE else architecture_config(name)
+    assert ModelShape.from_config(cfg).params == meta_params(cfg)
+
+
+def test_mixtral_is_planned_as_46b_and_swapping_says_what_it_costs():
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(**MOE["mixtral-8x7b"])
+    shape = ModelShape.from_config(cfg)
+    assert round(shape.params / 1e9, 1) == 46.7 and round(shape.active_params / 1e9, 1) == 12.9
+    with pytest.raises(PlanError, match="GPU: needs"):  # 93 GiB of bf16 weights: not on 24 GiB without swapping
+        plan(cfg, batch=1, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0)
+    p = plan(cfg, batch=1, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0, layer_swap=None)
+    assert p.resident_layers < 32 and any("holds all 8 experts" in n and "uses 2 of them" in n for n in p.notes)
+
+
+def test_an_unknown_architecture_is_refused_not_planned_wrong():
+    from transformers import AutoConfig
+
+    from offload_trainer.planner import UnknownArchitecture
+
+    cfg = AutoConfig.for_model("gpt2", n_embd=64, n_layer=2, n_head=4)
+    with pytest.raises(UnknownArchitecture, match="does not know model_type 'gpt2'"):
+        ModelShape.from_config(cfg)
+
+
+def test_float32_weights_are_planned_at_four_bytes():
+    cfg = architecture_config("llama3.2-1b")
+    bf16 = plan(cfg, batch=1, seq=512, max_grad_norm=0)
+    fp32 = plan(cfg, batch=1, seq=512, max_grad_norm=0, weight_bytes=4)
+    assert fp32.breakdown["weights"] == pytest.approx(2 * bf16.breakdown["weights"])
+    from types import SimpleNamespace
+
+    from offload_trainer.planner import plan_from_args
+
+    args = SimpleNamespace(per_device_train_batch_size=1, max_grad_norm=0.0)
+    got = plan_from_args(args, cfg, 512, model_args=SimpleNamespace(torch_dtype="float32"))
+    assert got.breakdown["weights"] == pytest.approx(fp32.breakdown["weights"])
+
+
+def test_the_host_ram_refusal_reads_as_a_sentence():
+    with pytest.raises(PlanError) as e:
+        plan(architecture_config("llama3-70b"), batch=1, seq=2048, gpu_memory_limit_gb=24, host_memory_gb=23.5,
+             layer_swap=None, max_grad_norm=0)
+    assert "but 23.5 GiB are available. Use more RAM, or LoRA." in str(e.value)

@@ -14,14 +14,32 @@ def losses_of(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def test_script_written_for_trainer_runs_unchanged(tmp_path):
-    """A plain `Trainer` script (TrainingArguments and all) with only the class name swapped."""
+class ArgsAskingToStream(TrainingArguments):
+    """A plain TrainingArguments on which a script set `offload_optimizer = True` (on a CPU, the streamed optimizer
+    runs only when asked for; on a GPU a plain TrainingArguments streams by default)."""
+
+    offload_optimizer = True
+
+
+@pytest.mark.parametrize("asked", [False, True], ids=["cpu_default", "asked_to_stream"])
+def test_script_written_for_trainer_runs_unchanged(tmp_path, asked, caplog):
+    """A plain `Trainer` script (TrainingArguments and all) with only the class name swapped. On a CPU the Trainer's
+    own AdamW runs, said once in the log (nothing to offload to); asked to, the streamed optimizer."""
+    import logging
+
     model, tok, train = tiny_setup()
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=4,
-                             learning_rate=3e-3, logging_steps=4, save_strategy="no", report_to="none")
+    cls = ArgsAskingToStream if asked else TrainingArguments
+    args = cls(output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=4,
+               learning_rate=3e-3, logging_steps=4, save_strategy="no", report_to="none")
     trainer = OffloadTrainer(model=model, args=args, train_dataset=train, processing_class=tok)
-    trainer.train()
-    assert isinstance(trainer._offload_opt, StreamedAdamW8bit)  # it did not silently fall back
+    with caplog.at_level(logging.INFO, logger="offload_trainer"):
+        trainer.train()
+    if asked:
+        assert isinstance(trainer._offload_opt, StreamedAdamW8bit)  # it did not silently fall back
+    else:
+        assert trainer._offload_opt is None and isinstance(trainer.optimizer.optimizer, torch.optim.AdamW)
+        assert sum("no GPU here" in r.getMessage() and "nothing is offloaded" in r.getMessage()
+                   for r in caplog.records) == 1
     losses = losses_of(trainer)
     assert len(losses) == 3 and losses[-1] < losses[0]
     logged = [h for h in trainer.state.log_history if "loss" in h][-1]
@@ -85,7 +103,8 @@ class StopAt(TrainerCallback):
 def make_args(out, **kw):
     base = dict(output_dir=str(out), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                 learning_rate=3e-3, lr_scheduler_type="cosine", warmup_steps=3, max_grad_norm=0.5,
-                logging_steps=1, save_steps=20, max_steps=40, report_to="none", seed=0, data_seed=0)
+                logging_steps=1, save_steps=20, max_steps=40, report_to="none", seed=0, data_seed=0,
+                offload_optimizer=True)  # (on a CPU the streamed optimizer runs when asked for)
     base.update(kw)
     return OffloadTrainingArguments(**base)
 
@@ -105,7 +124,7 @@ def test_resume_at_20_gives_identical_losses_to_40(tmp_path, max_grad_norm, extr
     full.train()
     want = losses_of(full)
     assert len(want) == 40
-    kept = [n for n, p in model.named_parameters() if p in full._offload_opt._on_device]
+    kept = [n for n, p in model.named_parameters() if p in full._offload_opt._states.on_device]
     assert kept == (["model.embed_tokens.weight"] if extra else [])
 
     model, _, _ = tiny_setup(seq=32)
@@ -144,7 +163,7 @@ def test_the_streamed_optimizer_is_prepared_without_placement(tmp_path):
 def test_activation_offload_through_the_trainer(tmp_path):
     model, tok, train = tiny_setup()
     args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=4,
-                                    learning_rate=3e-3, gradient_checkpointing=True, activation_offload=True,
+                                    learning_rate=3e-3, activation_checkpointing=True, activation_offload=True,
                                     logging_steps=2, save_strategy="no", report_to="none")
     trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
     trainer.train()
@@ -160,7 +179,7 @@ def test_layer_swap_through_the_trainer_matches_unswapped_and_resumes(tmp_path, 
     def run(swap, out, stop=None, resume=None, seed=0):
         model, _, train = tiny_setup(seq=32, layers=4, seed=seed)
         args = make_args(tmp_path / out, max_steps=8, save_steps=4, max_grad_norm=max_grad_norm,
-                         gradient_checkpointing=True, layer_swap=swap)
+                         activation_checkpointing=True, layer_swap=swap)
         trainer = OffloadTrainer(model=model, args=args, train_dataset=train,
                                  callbacks=[StopAt(stop)] if stop else None)
         trainer.train(resume_from_checkpoint=resume)
@@ -184,12 +203,12 @@ def test_layer_swap_through_the_trainer_matches_unswapped_and_resumes(tmp_path, 
 
 
 def test_layer_swap_refusals(tmp_path):
-    with pytest.raises(ValueError, match="gradient_checkpointing"):
+    with pytest.raises(ValueError, match="activation_checkpointing"):
         make_args(tmp_path, layer_swap="auto")
     with pytest.raises(ValueError, match="layer_swap='most'"):
-        make_args(tmp_path, layer_swap="most", gradient_checkpointing=True)
+        make_args(tmp_path, layer_swap="most", activation_checkpointing=True)
     model, _, train = tiny_setup(layers=4)
-    args = make_args(tmp_path, layer_swap="2", gradient_checkpointing=True, offload_optimizer=False,
+    args = make_args(tmp_path, layer_swap="2", activation_checkpointing=True, offload_optimizer=False,
                      optim="adamw_torch")
     with pytest.raises(ValueError, match="needs offload_optimizer"):
         OffloadTrainer(model=model, args=args, train_dataset=train)
@@ -206,7 +225,7 @@ class Snapshot(TrainerCallback):
         opt.synchronize()
         self.after[state.global_step] = (
             {n: p.detach().clone() for n, p in self.trainer.model.named_parameters()},
-            opt._host_codes.clone() if opt._allocated else None)
+            opt._states.host_codes.clone() if opt._states.allocated else None)
 
 
 def poisoned_tiny_setup(at: int = 4):
@@ -291,7 +310,7 @@ def test_qlora_4bit_with_layer_swap_through_the_cli(tmp_path, capsys):
     from offload_trainer import cli
 
     rc = cli.main(["train", "configs/tiny-cpu.yaml", "lora_r=8", "lora_alpha=16", "load_in_4bit=true",
-                   "layer_swap=2", "gradient_checkpointing=true", "max_steps=3", "logging_steps=1", "save_steps=3",
+                   "layer_swap=2", "activation_checkpointing=true", "max_steps=3", "logging_steps=1", "save_steps=3",
                    "eval_fraction=0", "per_device_train_batch_size=2", "max_seq_length=64",
                    "model_overrides={num_hidden_layers: 4}", f"output_dir={tmp_path}"])
     err = capsys.readouterr().err
@@ -307,7 +326,7 @@ def test_qlora_4bit_with_layer_swap_through_the_cli(tmp_path, capsys):
 def test_gpu_logs_show_pcie_pinned_and_stall_with_layer_swap(tmp_path):
     model, tok, train = tiny_setup(layers=4)
     args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4,
-                                    learning_rate=3e-3, gradient_checkpointing=True, layer_swap="2",
+                                    learning_rate=3e-3, activation_checkpointing=True, layer_swap="2",
                                     activation_offload=True, max_grad_norm=0.0, logging_steps=2,
                                     gradient_accumulation_steps=2, save_strategy="no", report_to="none")
     args._n_gpu = min(args.n_gpu, 1)  # one GPU, as CUDA_VISIBLE_DEVICES=0 would give on a machine with several
@@ -350,7 +369,7 @@ def test_gpu_resume_without_a_cap_plans_for_the_card(tmp_path, max_grad_norm):
     full.train()
     want = losses_of(full)
     assert full._plan is not None and full._plan.gpu_budget_gib > 30  # the card's own memory (not a cap)
-    assert full._offload_opt._on_device and not full._offload_opt._offset  # every state kept on the GPU
+    assert full._offload_opt._states.on_device and not full._offload_opt._states.offset  # every state kept on the GPU
     first = trainer(tmp_path / "cut", callbacks=[StopAt(20)])
     first.train()
     second = trainer(tmp_path / "cut", seed=123)
@@ -388,3 +407,64 @@ def test_saves_are_sharded_so_host_memory_holds_one_shard_and_resume_reads_them(
                            train_dataset=train)
     again.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
     assert losses_of(again) == losses_of(t)
+
+
+def test_small_trainable_sets_and_cpus_keep_the_trainers_adamw():
+    """offload_optimizer unset: LoRA (a small trainable set) keeps the Trainer's AdamW on a GPU, as the plan says
+    ("LoRA adapters + AdamW on the GPU"); on a CPU every model does; a full finetune on a GPU streams; asked for, it
+    always streams."""
+    from types import SimpleNamespace
+
+    from offload_trainer.args import streams_optimizer
+    from offload_trainer.run_args import ModelArguments
+    from offload_trainer.models import load_model
+
+    lora = load_model(ModelArguments(model_config="tiny-llama", torch_dtype="float32", lora_r=4))
+    full = load_model(ModelArguments(model_config="tiny-llama", torch_dtype="float32"))
+
+    def args(device, asked=None):
+        return SimpleNamespace(offload_optimizer=asked, optim="adamw_torch_fused", optim_args=None,
+                               device=torch.device(device))
+
+    streams, why = streams_optimizer(args("cuda"), model=lora)
+    assert not streams and "of 1 M parameters train (LoRA or adapters)" in why and "stay on the GPU" in why
+    assert streams_optimizer(args("cuda"), model=full) == (True, "")
+    streams, why = streams_optimizer(args("cpu"), model=full)
+    assert not streams and why.startswith("no GPU here")
+    assert streams_optimizer(args("cpu", asked=True), model=lora) == (True, "")
+
+
+def test_on_a_cpu_the_log_line_says_what_applies_and_no_gpu_plan_is_logged(tmp_path, caplog):
+    import logging
+
+    model, tok, train = tiny_setup(seq=32)
+    trainer = OffloadTrainer(model=model, args=make_args(tmp_path, max_steps=2, logging_steps=1, save_steps=100),
+                             train_dataset=train)
+    with caplog.at_level(logging.INFO, logger="offload_trainer"):
+        trainer.train()
+    lines = [r.getMessage() for r in caplog.records]
+    steps = [m for m in lines if m.startswith("step ")]
+    assert len(steps) == 2 and all(" tok/s | host rss " in m and "gpu" not in m and "pcie" not in m for m in steps)
+    assert not any(m.startswith("plan:") for m in lines)
+
+
+def test_saves_and_evaluations_are_not_counted_in_tok_per_s(tmp_path, monkeypatch):
+    """A slow save between two logs: the logged throughput is the training's (it dipped at every save before)."""
+    import time as time_mod
+
+    import offload_trainer.trainer as trainer_mod
+
+    model, tok, train = tiny_setup(seq=32)
+    args = make_args(tmp_path, max_steps=6, logging_steps=2, save_steps=3, gradient_accumulation_steps=1)
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
+    real = trainer_mod.OffloadMixin._save_checkpoint_staged
+
+    def slow(self, *a, **k):
+        time_mod.sleep(2.0)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(trainer_mod.OffloadMixin, "_save_checkpoint_staged", slow)
+    trainer.train()
+    tok_s = [h["tok_per_s"] for h in trainer.state.log_history if "loss" in h]
+    # the interval of step 4 holds the 2 s save at step 3: counted, its tok/s would be under a fifth of the others
+    assert len(tok_s) == 3 and tok_s[1] > 0.4 * min(tok_s[0], tok_s[2])

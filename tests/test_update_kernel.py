@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchao.optim.quant_utils import quantize_8bit_with_qmap
 
-from offload_trainer import update_kernel as uk
+from offload_trainer.optim import kernel as uk
 from offload_trainer.optim import StreamedAdamW8bit, adamw8bit_chunk
 from test_optim import BETAS, LR, rel_l2, run
 from tiny_models import TinyLM, param_groups
@@ -185,8 +185,8 @@ def test_fused_updates_in_backward_measure_the_logged_norm():
         ids = torch.randint(0, 128, (4, 17), generator=torch.Generator().manual_seed(step)).to(DEV)
         plain.loss(ids).backward()
         ours.loss(ids).backward()  # updates run here
-        assert opt._plan.sumsq and set(opt._plan.sumsq) == set(opt._offset) and not set(opt._plan.norms) & set(
-            opt._offset)
+        assert opt._plan.sumsq and set(opt._plan.sumsq) == set(opt._states.offset) and not set(opt._plan.norms) & set(
+            opt._states.offset)
         got = opt.clip_grad_norm_(float("inf"))
         want = torch.nn.utils.clip_grad_norm_(plain.parameters(), float("inf"))
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import DataError
 from .formats import IGNORE_INDEX, Tokenize, detect_format, has_generation_markers, tokenize_batch
-from .packing import STRATEGIES, PaddingCollator, pack_batch, truncate_batch
+from .packing import STATS, STRATEGIES, PaddingCollator, pack_batch, truncate_batch
 from .sources import BUILTIN, check_source, load, not_utf8, resolve
 
 __all__ = ["IGNORE_INDEX", "DataError", "build_datasets", "data_collator", "random_dataset", "check_dataset_path",
@@ -129,7 +129,8 @@ def _tokenizer_id(tok) -> str:
 def _map(ds, fn, *, fingerprint: str, desc: str, num_proc, **kw):
     """`ds.map(batched=True)`, cached under HF_DATASETS_CACHE by our own fingerprint (deterministic across runs and
     processes, whatever the source's cache directory)."""
-    if not hasattr(ds, "_fingerprint"):  # streaming: lazy, nothing to cache
+    if not hasattr(ds, "_fingerprint"):  # streaming: lazy, nothing to cache (ids as int64: nothing stored)
+        kw.pop("features", None)
         return ds.map(fn, batched=True, **kw)
     import datasets
 
@@ -150,17 +151,28 @@ def _prepare(raw, data_args, tok, spec: Tokenize, vocab_size: int, where: str):
     except UnicodeDecodeError as e:  # (the JSON reader keeps bytes; they are decoded as the rows are read)
         raise not_utf8(data_args.dataset_path, e) from None
     if data_args.packing:
-        rows = _map(tokenized, pack_batch, fingerprint=_fingerprint(tokenized, "pack-v1", seq, strategy),
+        rows = _map(tokenized, pack_batch, fingerprint=_fingerprint(tokenized, "pack-v2", seq, strategy),
                     desc="packing", num_proc=data_args.dataset_num_proc, remove_columns=["input_ids", "labels"],
+                    features=_features(("input_ids", "labels", "position_ids")),
                     fn_kwargs=dict(seq_len=seq, strategy=strategy, pad_id=tok.pad_token_id))
     else:
-        rows = _map(tokenized, truncate_batch, fingerprint=_fingerprint(tokenized, "truncate-v1", seq),
+        rows = _map(tokenized, truncate_batch, fingerprint=_fingerprint(tokenized, "truncate-v2", seq),
                     desc="cutting", num_proc=data_args.dataset_num_proc, remove_columns=["input_ids", "labels"],
-                    fn_kwargs=dict(seq_len=seq))
+                    features=_features(("input_ids", "labels")), fn_kwargs=dict(seq_len=seq))
     if hasattr(rows, "_fingerprint"):
         _check(rows, vocab_size, where, data_args)
-    rows = rows.remove_columns(["dropped"])
-    return rows.with_format("torch")
+    rows = rows.remove_columns(list(STATS))
+    if not hasattr(rows, "_fingerprint"):
+        return rows.with_format("torch")
+    return rows.with_format("torch", dtype=torch.long)  # (stored as int32; the model and the loss take int64)
+
+
+def _features(token_columns):
+    """Token columns as int32 (half the disk and the pages of int64; every vocabulary fits), stats as int64."""
+    import datasets
+
+    ids = {k: datasets.List(datasets.Value("int32")) for k in token_columns}
+    return datasets.Features({**ids, **{k: datasets.Value("int64") for k in STATS}})
 
 
 def _check(rows, vocab_size: int, where: str, data_args) -> None:
@@ -170,11 +182,11 @@ def _check(rows, vocab_size: int, where: str, data_args) -> None:
     if len(rows) == 0:
         raise DataError(f"{where}: no records with text (the dataset is empty, or every text is empty); add data")
     table = rows.data.table if hasattr(rows.data, "table") else rows.data
-    top = pc.max(pc.list_flatten(table.column("input_ids"))).as_py()
+    top = pc.max(table.column("top_id")).as_py()
     if top is not None and top >= vocab_size:
         raise DataError(f"{where}: the tokenizer makes ids up to {top}, but the model's vocabulary has {vocab_size}; "
                         f"use the model's own tokenizer")
-    trained = pc.sum(pc.not_equal(pc.list_flatten(table.column("labels")), IGNORE_INDEX)).as_py()
+    trained = pc.sum(table.column("trained")).as_py()
     if not trained:
         raise DataError(f"{where}: no token carries a loss (every label is masked): check completion_only_loss / "
                         f"assistant_only_loss against the data")

@@ -40,7 +40,7 @@ def pack_batch(batch: dict, *, seq_len: int, strategy: str, pad_id: int) -> dict
             cuts = range(0, len(ids), seq_len) if strategy == "bfd_split" else (0,)
             pieces += [(ids[a:a + seq_len], labels[a:a + seq_len]) for a in cuts]
         rows = _best_fit(pieces, seq_len)
-    out = {"input_ids": [], "labels": [], "position_ids": [], "dropped": []}
+    out = {"input_ids": [], "labels": [], "position_ids": [], **{k: [] for k in STATS}}
     for n, row in enumerate(rows):
         ids, labels, pos = [], [], []
         for d_ids, d_labels in row:
@@ -48,11 +48,22 @@ def pack_batch(batch: dict, *, seq_len: int, strategy: str, pad_id: int) -> dict
             labels += [IGNORE_INDEX] + list(d_labels[1:])  # (the first token is not predicted from another document)
             pos += range(len(d_ids))
         pad = seq_len - len(ids)
+        _stats(out, ids, labels, dropped if n == 0 else 0)
         out["input_ids"].append(ids + [pad_id] * pad)
         out["labels"].append(labels + [IGNORE_INDEX] * pad)
         out["position_ids"].append(pos + list(range(pad)))
-        out["dropped"].append(dropped if n == 0 else 0)
     return out
+
+
+# Per-row figures the map writes beside the rows, so that checking the whole dataset (ids within the vocabulary,
+# something to train on, tokens cut) reads three small columns instead of every token again.
+STATS = ("top_id", "trained", "dropped")
+
+
+def _stats(out: dict, ids: list, labels: list, dropped: int) -> None:
+    out["top_id"].append(max(ids) if ids else -1)
+    out["trained"].append(sum(1 for x in labels if x != IGNORE_INDEX))
+    out["dropped"].append(dropped)
 
 
 def _best_fit(pieces: list, seq_len: int) -> list[list]:
@@ -91,9 +102,13 @@ def _wrapped(docs: list, seq_len: int) -> list[list]:
 
 def truncate_batch(batch: dict, *, seq_len: int) -> dict:
     """`packing: false`: one document per row, cut to seq_len (the tokens dropped are counted)."""
-    keep = [(i, l) for i, l in zip(batch["input_ids"], batch["labels"]) if i]
-    return {"input_ids": [i[:seq_len] for i, _ in keep], "labels": [l[:seq_len] for _, l in keep],
-            "dropped": [max(0, len(i) - seq_len) for i, _ in keep]}
+    out = {"input_ids": [], "labels": [], **{k: [] for k in STATS}}
+    for ids, labels in zip(batch["input_ids"], batch["labels"]):
+        if ids:
+            out["input_ids"].append(ids[:seq_len])
+            out["labels"].append(labels[:seq_len])
+            _stats(out, out["input_ids"][-1], out["labels"][-1], max(0, len(ids) - seq_len))
+    return out
 
 
 class PaddingCollator:

@@ -1,0 +1,502 @@
+"""StreamedAdamW8bit: AdamW whose 8-bit states live in pinned CPU memory and are streamed to the GPU.
+
+The algorithm, as this class runs it (each step of it a collaborator in this package):
+1. States (states.py): each trainable tensor's two AdamW moments in torchao's blockwise 8-bit format, in flat
+   pinned host buffers -- or on the GPU for the first tensors that fit `device_state_bytes` (backward reaches them
+   last, so their copies could overlap nothing).
+2. Backward (`_on_grad_ready`, a post-accumulate-grad hook per tensor): with `update_in_backward` the tensor's update
+   is queued at once (no clipping possible: the global norm is not known yet) and its gradient freed once read;
+   otherwise, with `offload_gradients`, the gradient is copied to pinned host memory (grads.py) so the full set never
+   sits on the GPU. Gradient accumulation (backward inside `no_update()`) sums each micro-batch into the host copy.
+   Data parallel (sharded.py) first averages each gradient onto the rank that owns it.
+3. `clip_grad_norm_`: the global norm with `torch.nn.utils.clip_grad_norm_`'s arithmetic, over device and host
+   gradients; the coefficient is applied in place or by each update.
+4. `step()`: takes every remaining update (gradient, lr, step count) and, when attached, queues only the first units'
+   ones; each unit's next forward queues the next (schedule.py) and waits only for its own. An update (pipeline.py)
+   copies a chunk of states to a GPU slot, updates it -- one Triton kernel on CUDA (kernel.py), torchao's arithmetic
+   elsewhere (update.py) -- and copies it back, on side streams ordered by events only.
+Reading weights outside a forward therefore needs `synchronize()` first (the Trainer does it). On CPU the same code
+runs with synchronous stand-ins for streams (streams.py). The state dict has torchao `AdamW8bit`'s layout.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import Tensor, nn
+from torchao.optim.adam import single_param_adam
+from torchao.optim.subclass_8bit import OptimState8bit
+
+from ..distributed import Sharding
+from ..streams import StallMeter, Streams
+from . import kernel
+from .grads import HostGradients
+from .pipeline import Backlog, StepPlan, Update, UpdatePipeline
+from .schedule import LAUNCH_AHEAD, Schedule
+from .sharded import ShardedUpdates
+from .states import HostStates
+from .update import adamw8bit_chunk, compile_update, global_norm, grad_norm, roots_of_sums
+
+
+def _always_resident(p: Tensor, stream):
+    return contextlib.nullcontext()
+
+
+def _as_float(value) -> float:
+    """A hyperparameter as a Python number. A tensor here (a user's, or a state dict that went through accelerate's
+    prepare(), which sends it to the GPU) is read once, so no update's launch reads a GPU tensor (a device sync per
+    chunk, which serialized the CPU with the update stream)."""
+    return float(value.detach().cpu()) if isinstance(value, Tensor) else float(value)
+
+
+class StreamedAdamW8bit(torch.optim.Optimizer):
+    """AdamW with 8-bit states in (pinned) CPU memory, updated on the weights' device.
+
+    Args mirror torchao `AdamW8bit`; keyword-only flags choose how the update is streamed.
+    `chunk_numel` elements are staged per copy; `inflight_chunks` slots bound GPU memory in flight.
+    `fused`: update each streamed chunk with one Triton kernel (kernel.py: torchao's codes, about a fifth of the GPU
+    time, one launch) instead of torchao's compiled update. Default: where Triton runs (CUDA). A dict passes options
+    to `kernel.Update8bit` (e.g. `{"eager_numerics": False}`).
+    `seed`: the Philox key of the fused kernel's stochastic rounding (default: `torch.initial_seed()`); its counter
+    is the step and the value's place, so a resumed run with the same seed rounds exactly as an uninterrupted one.
+    `compile`: compile the (unfused) update (default: on CUDA); a dict is passed to `torch.compile` as inductor
+    options. Small tensors, whose states stay on the device, always take this update.
+    `grad_backlog_bytes`: GPU bytes of gradients that may wait for their update or copy to the host before the
+    CPU waits for the oldest (default: twice the largest tensor's gradient, at least 1 GiB).
+    `device_state_bytes`: GPU memory for 8-bit states kept on the device instead of streamed (the model's first
+    tensors, in model order once attached). They behave like the small tensors: no host copy of their states,
+    gradients never offloaded (clipped and accumulated on the device).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, *, block_size: int = 256, bf16_stochastic_round: bool = True,
+                 update_in_backward: bool = False, offload_gradients: bool = False, chunk_numel: int = 2**25,
+                 inflight_chunks: int = 4, compile: bool | dict | None = None, sharding: Sharding | None = None,
+                 grad_backlog_bytes: int | None = None, fused: bool | dict | None = None, seed: int | None = None,
+                 device_state_bytes: int = 0) -> None:
+        if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}")
+        if chunk_numel % block_size or chunk_numel < block_size:
+            raise ValueError(f"chunk_numel={chunk_numel} must be a positive multiple of block_size={block_size}")
+        if inflight_chunks < 2:
+            raise ValueError("inflight_chunks must be >= 2 (one slot copying while another updates)")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self.block_size, self.bf16_stochastic_round = block_size, bf16_stochastic_round
+        self.update_in_backward, self.offload_gradients = update_in_backward, offload_gradients
+        self.chunk_numel, self.device_state_bytes = chunk_numel, int(device_state_bytes)
+        self._params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if not self._params:
+            raise ValueError("no trainable parameters (all have requires_grad=False)")
+        self.device = self._device_of(self._params)
+        self._group_of = {p: g for g in self.param_groups for p in g["params"]}
+        shard = sharding if sharding is not None and sharding.world_size > 1 else None
+        self._streams = S = Streams(self.device, comm_streams=shard is not None)
+        self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "updates": 0}
+        self.stall = StallMeter(S)  # forward waiting for a layer's update
+        self._plan = StepPlan()
+        # (through lambdas: the launch and publish of this instance, as they are when called)
+        self._schedule = Schedule(S, self.stall, self._params, launch=lambda u: self._launch(u),
+                                  publish=lambda p: self._publish(p), all_queued=lambda: self._all_queued())
+        self._shard = ShardedUpdates(shard, self._params, S, self._plan, self._schedule, self.device) \
+            if shard is not None else None
+        self._states = HostStates(self._params, self.state, device=self.device, block_size=block_size,
+                                  chunk_numel=chunk_numel, inflight=inflight_chunks,
+                                  offload_gradients=offload_gradients, device_state_bytes=self.device_state_bytes,
+                                  owns=self._owns, grad_backlog_bytes=grad_backlog_bytes)
+        backlog = Backlog(self._states)
+        self._host_grads = HostGradients(self._states, S, self.stats, self._plan, backlog)
+        step_fn, chunk_fn = self._update_fns(compile)
+        self._fused = self._fused_kernel(fused, seed)
+        self._pipeline = UpdatePipeline(self._states, S, self.stats, self._plan, backlog, step_fn=step_fn,
+                                        chunk_fn=chunk_fn, fused=self._fused, state=self.state)
+        self._residency = _always_resident
+        self._accumulating = self._skip = False
+
+    @staticmethod
+    def _device_of(params: list[Tensor]) -> torch.device:
+        """The one accelerator of the trainable tensors (host ones beside them are swapped layers, swap.py)."""
+        devices = {p.device for p in params}
+        accel = {d for d in devices if d.type != "cpu"}
+        if len(accel) > 1:
+            raise ValueError(f"all trainable parameters must be on one device, found {sorted(map(str, devices))}")
+        return accel.pop() if accel else torch.device("cpu")
+
+    def _update_fns(self, compile):
+        if compile if compile is not None else self.device.type == "cuda":
+            options = compile if isinstance(compile, dict) else None  # inductor options, e.g. {"cpp_wrapper": True}
+            return compile_update(single_param_adam, options), compile_update(adamw8bit_chunk, options)
+        return single_param_adam, adamw8bit_chunk
+
+    def _fused_kernel(self, fused, seed):
+        if fused is None:
+            fused = kernel.available(self.device)
+        elif fused and not kernel.runnable(self.device):
+            raise ValueError(f"fused=True needs Triton and a CUDA device (have {self.device}); use fused=False")
+        if not fused:
+            return None
+        return kernel.Update8bit(self.device, seed=torch.initial_seed() if seed is None else seed,
+                                 **(fused if isinstance(fused, dict) else {}))
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        # lr stays a Python float, as in torch's own optimizers (torchao keeps a tensor): schedulers, the Trainer's
+        # logs and users read and copy it as a number. Each update takes a float32 tensor of it when it is taken
+        # (`_take`), which is what the compiled update wants (no recompile when lr changes).
+        group = self.param_groups[-1]
+        group["lr"] = _as_float(group["lr"])
+
+    # ------------------------------------------------------------------ wiring
+    def _owns(self, p: Tensor) -> bool:
+        """Whether this rank keeps and updates `p`'s states (always, without data parallel)."""
+        return self._shard is None or self._shard.owns(p)
+
+    def _ensure_states(self) -> None:
+        self._states.ensure(self._schedule.norm_order)
+
+    def attach(self, model: nn.Module, units: list[nn.Module] | None = None):
+        """Hook the optimizer into `model`: updates/gradient offload during backward, and per-unit waits
+        in forward so that a layer runs as soon as its own update is done. Returns a handle with remove()."""
+        self._schedule.attach(model, units, set(self._group_of), self._on_grad_ready)
+        return _Handle(self)
+
+    def detach(self) -> None:
+        self._schedule.detach()
+
+    def set_residency(self, touch, ahead: int | None = None) -> None:
+        """`touch(p, update_stream)`: a context manager around each update of `p`, which makes sure `p` is
+        on the device while the update is queued (the layer-swap engine's `LayerSwap.touch`). `ahead`: queue
+        deferred updates at most this many units past the running forward (`LayerSwap.prefetch`: a swapped layer is
+        then updated in the slot its forward was prefetched into, never fetched for its update alone)."""
+        self._residency = touch
+        self._schedule.launch_ahead = LAUNCH_AHEAD if ahead is None else max(0, min(LAUNCH_AHEAD, ahead))
+
+    def sync_weights(self, src: int = 0) -> None:
+        """Data parallel: make every rank's trainable weights rank `src`'s. A no-op on one rank."""
+        if self._shard is not None:
+            self._shard.sync_weights(self._params, src, self._streams.is_cuda)
+
+    def all_finite(self, t: Tensor) -> bool:
+        """Whether `t` is finite on this rank and (data parallel) on every rank: a step is skipped everywhere or
+        nowhere, so the ranks issue the same collectives. One device sync."""
+        ok = bool(torch.isfinite(t).all())
+        return ok if self._shard is None else self._shard.shard.all_true(ok, self.device)
+
+    def skip_next_step(self) -> None:
+        """The next `step()` drops the gradients instead of updating (a non-finite loss or norm was seen)."""
+        self._skip = True
+
+    @contextlib.contextmanager
+    def no_update(self):
+        """Backward passes inside only accumulate gradients (all micro-batches but the last)."""
+        prev, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = prev
+
+    # ------------------------------------------------------------------ backward
+    @torch.no_grad()
+    def _on_grad_ready(self, p: Tensor) -> None:
+        if p.grad is None:
+            return
+        if self._schedule.deferred:  # a backward without a forward through every unit: the last step's go first
+            self._schedule.launch_deferred()
+        self._ensure_states()
+        if self._accumulating:
+            return self._accumulate(p)
+        S = self._streams
+        if self._shard is not None:
+            ready = self._shard.reduce(p)
+            if ready is None:  # another rank owns p: its new weights come from there
+                if self.update_in_backward:
+                    self._plan.updated.add(p)
+                    self._publish(p)
+                return
+            ready = self._shard.add_sums(p, ready, self._host_grads, p in self._states.offset)
+            self._measure_norm(p, S.reduced)
+        else:
+            ready = self._host_grads.add_sum(p, S.record(S.compute()))  # + earlier micro-batches' sum, if any
+            if not self._norm_in_update(p) and (self.update_in_backward or (
+                    self.offload_gradients and p in self._states.offset)):
+                self._measure_norm(p, S.compute())
+        if self.update_in_backward:
+            self._launch(self._take(p, ready, hold=True))
+            self._plan.updated.add(p)
+            self._publish(p)
+        elif self.offload_gradients and p in self._states.offset:
+            self._plan.host_grad_ready[p] = self._host_grads.offload(p, ready)
+
+    def _accumulate(self, p: Tensor) -> None:
+        """A micro-batch before the last: big tensors' gradients sum in pinned memory with `offload_gradients` (data
+        parallel: averaged onto their owner first); otherwise autograd sums them on the device."""
+        on_host = self.offload_gradients and p in self._states.offset
+        if self._shard is not None and self.offload_gradients:
+            self._shard.reduce_micro_batch(p, self._host_grads, on_host)
+        elif on_host:
+            self._host_grads.stash(p)
+
+    def _norm_in_update(self, p: Tensor) -> bool:
+        """Whether `p`'s gradient norm (for logging: no clipping in backward) is summed by the fused update kernel
+        on its pass over the gradient, instead of by a norm kernel on the compute stream."""
+        return self._fused is not None and self.update_in_backward and self._shard is None and p in self._states.place
+
+    def _measure_norm(self, p: Tensor, stream) -> None:
+        """Queue `p.grad`'s norm on the stream that made the gradient (`stream`, or the H2D stream where a host sum
+        was added: then `merged` moves past the norm, so the compute stream's wait covers it)."""
+        S = self._streams
+        merged = p in self._plan.merged_params
+        with S.on(S.h2d if merged else stream):
+            self._plan.norms[p] = grad_norm(p.grad)
+        if merged:
+            self._plan.merged = S.record(S.h2d)
+
+    # ------------------------------------------------------------------ updates
+    def _take(self, p: Tensor, grad_ready, *, hold: bool) -> Update:
+        """`p`'s update as of now: its step counted, learning rate and gradient taken (`p.grad` becomes None)."""
+        group, st = self._group_of[p], self.state[p]
+        st["step"] += 1
+        step = st["step"].clone()  # read when each kernel launches; never mutated afterwards
+        if isinstance(group["lr"], Tensor):  # put there by a user or a scheduler: read once, kept a number
+            group["lr"] = _as_float(group["lr"])
+        lr = torch.tensor(group["lr"], dtype=torch.float32)  # as step: fixed now, float32 as torchao rounds it
+        sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+        args = (lr, group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], sr)
+        grad, p.grad = p.grad, None
+        return Update(p, grad, grad_ready, step, args, self._plan.clip_coef if grad is None else None, hold)
+
+    def _launch(self, u: Update) -> None:
+        """Queue the copies and the update of a taken update (`_publish` then marks its unit's next forward ready)."""
+        with self._residency(u.p, self._streams.update):
+            self._pipeline.queue(u, self._norm_in_update(u.p))
+
+    def _publish(self, p: Tensor) -> None:
+        if self._shard is None:
+            self._schedule.unit_done(p, self._streams.update)
+        else:
+            self._shard.publish(p, self._residency)
+
+    def _all_queued(self) -> None:
+        """Every update of the step is queued: the next step's copies wait for these (host states and gradients)."""
+        S = self._streams
+        self._pipeline.prev_d2h_done = S.record(S.d2h)
+        self._host_grads.prev_h2d_done = S.record(S.h2d)
+
+    def _draws_random(self, u: Update) -> bool:
+        """Whether `u`'s update draws from the global RNG (stochastic rounding by torchao's update: small tensors, or
+        every tensor without the fused kernel, whose Philox counters depend on the step and place only). Such
+        updates are queued by step() itself: queued later, they would draw after the next step's own random numbers
+        (data, dropout), and a run would round differently depending on where it synchronized (a checkpoint)."""
+        return u.args[5] and (self._fused is None or u.p not in self._states.place)
+
+    # ------------------------------------------------------------------ clip / step
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Global-norm clipping with `torch.nn.utils.clip_grad_norm_`'s arithmetic, over gradients on the
+        device and those waiting on the host. Call after backward, before `step()`. Returns the norm."""
+        if norm_type != 2.0:
+            raise ValueError("only the L2 norm (norm_type=2) is supported")
+        self._schedule.launch_deferred()
+        if self._plan.updated and math.isfinite(max_norm):
+            raise RuntimeError(
+                "updates already ran during backward (update_in_backward=True), so gradients cannot be "
+                "clipped any more. Construct with update_in_backward=False to clip by global norm, or set "
+                "max_grad_norm to 0 / inf."
+            )
+        norms = self._norms()
+        on_device = [p for p in norms if p.grad is not None]  # clip_grads_with_norm_ takes parameters
+        if self._shard is not None:
+            norms = self._shard.gather_norms(norms, self._schedule.norm_order)
+        if not norms:
+            return torch.tensor(0.0, device=self.device)
+        total = global_norm(norms)
+        if math.isfinite(max_norm) and not self._plan.updated:
+            torch.nn.utils.clip_grads_with_norm_(on_device, max_norm, total)
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            self._plan.clip_coef = coef.to(self.device)
+            self._streams.keep_alive(self._plan.clip_coef, self._streams.update)  # read by the updates
+        return total
+
+    def _norms(self) -> dict:
+        """Each tensor's gradient norm, in the model's order: measured in backward, summed by the fused updates, or
+        measured now (gradients still on the device)."""
+        S = self._streams
+        self._host_grads.flush()
+        if self._shard is not None:
+            S.compute().wait_stream(S.reduced)  # gradients reduced onto their owners, and their norms
+        roots = {}
+        if self._plan.sumsq:  # summed by the fused updates (update stream)
+            S.compute().wait_stream(S.update)
+            order = self._schedule.norm_order
+            roots = roots_of_sums([p for p in order if p in self._plan.sumsq and p not in self._plan.norms],
+                                  self._plan.sumsq)
+        norms = {}
+        for p in self._schedule.norm_order:
+            if p in self._plan.norms:
+                norms[p] = self._plan.norms[p]
+            elif p in roots:
+                norms[p] = roots[p]
+            elif p.grad is not None:
+                norms[p] = grad_norm(p.grad)
+        return norms
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Update every tensor that still has a gradient (on the device or the host).
+
+        With `attach()`, returns without waiting: the updates are taken now and queued as the next forward reaches
+        each layer, which waits for its own; `synchronize()` queues and finishes them all (before reading weights
+        outside a forward). With data parallel they are all queued now, each layer's next forward waiting for its
+        own. Without `attach()` (or when no layer's forward ran), they are all queued now and the compute stream waits
+        for them before continuing.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._schedule.launch_deferred()
+        if self._skip:  # weights and states stay as they are; gradients (device or host) are dropped
+            self._skip = False
+            self._drop_gradients()
+            return loss
+        self._ensure_states()
+        S = self._streams
+        self._host_grads.flush()
+        if self._shard is not None:
+            S.compute().wait_stream(S.reduced)  # owners' gradients are reduced
+        grads_final = S.record(S.compute())  # after backward and any in-place clipping
+        pending = self._pending()
+        waited = self._schedule.covers_every_update()
+        if pending:
+            S.update.wait_event(grads_final)  # the clip coefficient and in-place clipped gradients come from there
+            self._queue_step(pending, grads_final, defer=waited and self._shard is None)
+        self._schedule.fired = set()
+        self._finish_step(waited)
+        return loss
+
+    def _pending(self) -> list[Tensor]:
+        """The tensors step() updates: those with a gradient (device or host) not updated in backward -- with data
+        parallel, the same list, in the same order, on every rank."""
+        plan = self._plan
+        if self._shard is not None:
+            return [p for p in plan.reduced if p not in plan.updated and (
+                not self._owns(p) or p.grad is not None or p in plan.host_grad_ready)]
+        return [p for p in self._params if p.grad is not None or p in plan.host_grad_ready]
+
+    def _queue_step(self, pending: list[Tensor], grads_final, *, defer: bool) -> None:
+        sched = self._schedule
+        rank = sched.launch_order()
+        pending.sort(key=lambda p: rank.get(sched.unit_of.get(p), len(rank)))
+        ready = self._plan.host_grad_ready
+        if not defer:
+            for p in pending:
+                if self._owns(p):
+                    self._launch(self._take(p, ready.get(p, grads_final), hold=False))
+                self._publish(p)
+            return
+        # Taken now, queued as the next forward reaches each unit (`Schedule.launch_deferred`): queuing them all
+        # here would block the CPU once the copy streams' queues fill (8B: ~0.3 s per step), and the next forward
+        # could not start beside them.
+        for p in pending:
+            u = self._take(p, ready.get(p, grads_final), hold=False)
+            u.rank = rank[sched.unit_of[p]]
+            if self._draws_random(u):  # queued now, so the global RNG is drawn at the same point as ever
+                self._launch(u)
+                self._publish(p)
+            else:
+                sched.deferred.append(u)
+        sched.launch_rank = rank
+        sched.launch_deferred(min(rank, key=rank.get))  # the copies start now
+
+    def _finish_step(self, waited: bool) -> None:
+        S = self._streams
+        if not self._schedule.deferred:
+            self._all_queued()
+        if not waited:
+            # No per-layer waits cover these weights: the compute stream waits for every update.
+            S.compute().wait_stream(S.update)
+            if self._shard is not None:
+                S.compute().wait_stream(S.published)
+        self._plan.reset()
+
+    def _drop_gradients(self) -> None:
+        for p in self._params:
+            p.grad = None
+        self._plan.reset()
+        self._host_grads.sums.clear()
+        if self._shard is not None:
+            self._shard.dev_sum.clear()
+        self._schedule.fired = set()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._plan.reset()
+        self._host_grads.sums.clear()  # gradients accumulated on the host are dropped with the others
+        if self._shard is not None:
+            self._shard.dev_sum.clear()
+
+    def synchronize(self) -> None:
+        """Block until every queued copy and update is done (before reading weights or states on the host)."""
+        self._schedule.launch_deferred()
+        S = self._streams
+        if S.is_cuda:
+            S.compute().wait_stream(S.update)
+            if self._shard is not None:
+                S.compute().wait_stream(S.published)
+            S.synchronize()
+            torch.cuda.current_stream(self.device).synchronize()
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self):
+        """torchao `AdamW8bit`'s layout, lr included: a 0-dim float32 tensor there (its step() refuses a number)."""
+        self.synchronize()
+        sd = super().state_dict()
+        for g in sd["param_groups"]:  # (copies of our groups: ours keep their float)
+            g["lr"] = torch.tensor(g["lr"], dtype=torch.float32)
+        return sd
+
+    def load_state_dict(self, state_dict) -> None:
+        """Copy a saved state (ours or torchao AdamW8bit's) into the existing host buffers, in place."""
+        self.synchronize()
+        if state_dict["state"]:
+            self._ensure_states()
+        groups, saved = self.param_groups, state_dict["param_groups"]
+        if len(groups) != len(saved) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved)):
+            raise ValueError("optimizer state does not match this model's parameter groups "
+                             "(a checkpoint from a different model or different trainable parameters?)")
+        idmap = {sid: p for g, s in zip(groups, saved) for sid, p in zip(s["params"], g["params"])}
+        for sid, saved_st in state_dict["state"].items():
+            p = idmap[sid]
+            if self._owns(p):  # data parallel: another rank's share (a merged or unsharded checkpoint) is skipped
+                self._load_tensor_state(self.state[p], saved_st)
+        for g, s in zip(groups, saved):
+            for key, val in s.items():
+                if key != "params":  # torchao's lr tensor, or one moved by accelerate: a number again
+                    g[key] = _as_float(val) if isinstance(val, Tensor) and val.numel() == 1 else val
+
+    @staticmethod
+    def _load_tensor_state(st: dict, saved: dict) -> None:
+        for key, val in saved.items():
+            dst = st.get(key)
+            if dst is None:
+                st[key] = val
+                continue
+            if tuple(dst.shape) != tuple(val.shape):
+                raise ValueError(f"optimizer state {key!r} has shape {tuple(val.shape)} in the checkpoint "
+                                 f"but {tuple(dst.shape)} here: the checkpoint is from a different model")
+            if isinstance(dst, OptimState8bit) and isinstance(val, OptimState8bit):
+                dst.codes.copy_(val.codes)
+                dst.scale.copy_(val.scale)
+            else:
+                dst.copy_(val)
+
+    def memory_stats(self) -> dict[str, int]:
+        return self._states.memory_stats(self._streams.is_cuda)
+
+
+class _Handle:
+    def __init__(self, opt: StreamedAdamW8bit):
+        self._opt = opt
+
+    def remove(self) -> None:
+        self._opt.detach()
