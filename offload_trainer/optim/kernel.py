@@ -21,7 +21,7 @@ step and the value's place in the optimizer's flat state buffer, so a resumed ru
 
 On the H200 it runs 0.21-0.24 ms per 25M values (runs 20261130-s15a-d) and, with `eager_numerics` (default),
 gives torchao's eagerly run update bit for bit: no code, scale or weight differs on 1M values, and 50 steps of
-StreamedAdamW8bit equal torchao `AdamW8bit` on the GPU exactly in every tested mode (tests/test_optim_gpu.py).
+StreamedAdamW8bit equal torchao `AdamW8bit` on the GPU exactly in every tested mode (tests/optim/test_streamed_gpu.py).
 """
 from __future__ import annotations
 

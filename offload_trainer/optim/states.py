@@ -10,13 +10,8 @@ import torch
 from torch import Tensor
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
+from ..sizes import state_bytes
 from ..streams import pinned_empty
-
-
-def state_bytes(numel: int, block_size: int = 256) -> int:
-    """Bytes of a tensor's two 8-bit moments: a code per value and an fp32 scale per block, each. (The planner, the
-    Trainer's disk check and the optimizer count states with this.)"""
-    return 2 * numel + 2 * 4 * (numel // block_size)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from torchao.optim.quant_utils import quantize_8bit_with_qmap
 
 from offload_trainer.optim import kernel as uk
 from offload_trainer.optim import StreamedAdamW8bit, adamw8bit_chunk
-from test_optim import BETAS, LR, rel_l2, run
+from optim_cases import BETAS, LR, rel_l2, run
 from tiny_models import TinyLM, param_groups
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

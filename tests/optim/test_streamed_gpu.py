@@ -6,7 +6,7 @@ import torch
 from torchao.optim import AdamW8bit
 
 from offload_trainer.optim import StreamedAdamW8bit
-from test_optim import BETAS, LR, HeadReadLM, rel_l2, run
+from optim_cases import BETAS, LR, HeadReadLM, rel_l2, run
 from tiny_models import TinyLM, param_groups
 
 pytestmark = pytest.mark.gpu

@@ -1,0 +1,19 @@
+"""Memory planner: predict GPU peak, host peak, PCIe traffic and step time of a finetune before any weight is loaded,
+pick what to offload for a GPU budget, and refuse plans that cannot fit.
+
+Inputs are a model config (a transformers config or any object with its fields), the micro-batch shape and the
+budgets. The model of memory (estimate.py) is the sum of what the step holds (weights, streamed-optimizer slots,
+checkpointed layer inputs) plus the largest transient phase (loss chunk and LM-head gradient at the start of
+backward; one layer's recompute and gradients in the middle), plus the allocator's slack, with constants calibrated
+on the H200 runs in bench/results (`Machine`). shape.py reads the config; search.py finds the fastest plan that fits
+(or says what to change); table.py is the Plan and its table; from_args.py plans from a run's arguments.
+"""
+from ..sysinfo import host_memory_gib  # noqa: F401  (re-exported for the CLI)
+from .from_args import SAVE_SHARD_BYTES, device_state_setting, dtype_bytes, layer_swap_setting, plan_from_args
+from .search import DEVICE_STATE_FILL_FRACTION, DEVICE_STATE_FILL_MARGIN_GIB, DEVICE_STATE_MARGIN_GIB, plan
+from .shape import GiB, KNOWN_TYPES, Machine, ModelShape, PlanError, UnknownArchitecture
+from .table import Plan
+
+__all__ = ["plan", "plan_from_args", "Plan", "PlanError", "UnknownArchitecture", "Machine", "ModelShape", "GiB",
+           "SAVE_SHARD_BYTES", "KNOWN_TYPES", "device_state_setting", "layer_swap_setting", "dtype_bytes",
+           "host_memory_gib", "DEVICE_STATE_MARGIN_GIB", "DEVICE_STATE_FILL_MARGIN_GIB", "DEVICE_STATE_FILL_FRACTION"]

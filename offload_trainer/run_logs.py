@@ -1,0 +1,54 @@
+"""The figures a training log gets beside the Trainer's (throughput, host and GPU memory, PCIe traffic, stalls) and
+the one greppable line per log: `step N | loss | tok/s | ...` (on a CPU, what applies there)."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .sysinfo import rss_gib, trim_host_memory
+
+logger = logging.getLogger("offload_trainer")
+
+# A training log gives the C allocator's free pages back (sysinfo.trim_host_memory, ~5 ms) at most once in this many
+# optimizer steps: with `logging_steps: 1` a trim at every step cost ~1% of a 3B step, spent while the GPU waits.
+TRIM_EVERY_STEPS = 10
+
+
+def add_run_figures(trainer, logs: dict) -> None:
+    """A training log's throughput and memory figures, and the one line the run logs for it."""
+    now = time.perf_counter()
+    dt = max(now - trainer._last_log_time - trainer._paused_s, 1e-9)
+    trainer._paused_s = 0.0
+    logs["tok_per_s"] = round(trainer._tokens_since_log / dt, 1)
+    step = trainer.state.global_step
+    if trainer._last_trim_step is None or step - trainer._last_trim_step >= TRIM_EVERY_STEPS:
+        trim_host_memory()
+        trainer._last_trim_step = step
+    rss = rss_gib()
+    if rss is not None:
+        logs["host_rss_gib"] = round(rss, 3)
+    if torch.cuda.is_available():
+        logs["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    movers = [m for m in (trainer._offload_opt, trainer._swap, trainer._activations) if m is not None]
+    if torch.cuda.is_available() and movers:
+        moved = sum(m.stats["h2d_bytes"] + m.stats["d2h_bytes"] for m in movers)
+        logs["pcie_gb_per_s"] = round((moved - trainer._last_bytes) / dt / 1e9, 2)
+        pinned = sum(m.memory_stats()["pinned_bytes"] for m in movers)
+        logs["host_pinned_gib"] = round(pinned / 2**30, 2)
+        # time the GPU's compute stream waited for a layer's weights or an update, since the last log
+        stall = sum(m.stall.total_ms() for m in movers if hasattr(m, "stall"))
+        logs["gpu_stall_ms"] = round(stall - trainer._last_stall_ms, 1)
+        trainer._last_bytes, trainer._last_stall_ms = moved, stall
+    if trainer._nonfinite["skipped"]:
+        logs["nonfinite_skipped"] = trainer._nonfinite["skipped"]
+    if "gpu_peak_gib" in logs:
+        logger.info("step %d | loss %.4f | %.0f tok/s | gpu peak %s GiB | pcie %s GB/s | stall %s ms",
+                    trainer.state.global_step, logs["loss"], logs["tok_per_s"], logs["gpu_peak_gib"],
+                    logs.get("pcie_gb_per_s", "-"), logs.get("gpu_stall_ms", "-"))
+    else:  # (no GPU: what applies here)
+        logger.info("step %d | loss %.4f | %.0f tok/s | host rss %s GiB", trainer.state.global_step,
+                    logs["loss"], logs["tok_per_s"], logs.get("host_rss_gib", "-"))
+    trainer._tokens_since_log = 0
+    trainer._last_log_time = now

@@ -1,0 +1,187 @@
+"""What the Trainer shell builds from its arguments, once per run: the plan (sized from the longest row the data
+gives), the layer-swap engine on the model's decoder layers, and the streamed optimizer over the Trainer's parameter
+groups."""
+from __future__ import annotations
+
+import logging
+
+from .config import ConfigError
+from .distributed import Sharding
+from .optim import StreamedAdamW8bit
+from .planner import Machine, PlanError, device_state_setting, layer_swap_setting, plan_from_args
+from .seams import claim_device_map
+from .swap import LayerSwap, decoder_layers
+from .sysinfo import gpu_budget_gib
+
+logger = logging.getLogger("offload_trainer")
+
+
+def make_plan(trainer) -> None:
+    """Run the planner once (logged), and let it decide the switches left unset."""
+    peft = hasattr(trainer.model, "get_base_model")
+    if trainer._plan is not None or not (trainer._streaming or peft):
+        return
+    if not getattr(trainer.args, "gpu_memory_limit_gb", None) and trainer.args.device.type != "cuda":
+        return  # (a plan is of GPU memory, PCIe traffic and GPU step time: none applies on a CPU)
+    lora = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad) if peft else 0
+    bits = 4 if getattr(trainer.model.get_base_model() if peft else trainer.model, "is_loaded_in_4bit", False) else 16
+    config = getattr(trainer.model, "config", None)
+    seq = longest_row(trainer)
+    if config is None or not seq:
+        return
+    # no cap given: plan for the card (its free memory and what the model already holds), so the switches left
+    # unset (gradient and activation offload, layer swap, states kept on the GPU) suit it
+    gpu_gb = getattr(trainer.args, "gpu_memory_limit_gb", None) or gpu_budget_gib(Machine().cuda_context_gib)
+    try:
+        trainer._plan = plan_from_args(trainer.args, config, seq, gpu_gb=gpu_gb, lora_params=lora, weight_bits=bits)
+    except (AttributeError, TypeError) as e:  # not a decoder-only LM config the planner knows
+        logger.info("no plan: %s", e if isinstance(e, PlanError) else "the model's config has no shape the "
+                    "planner reads")
+        return
+    except PlanError as e:
+        if getattr(trainer.args, "gpu_memory_limit_gb", None):
+            raise
+        if gpu_gb:  # (the card's own memory: warn, and let training try with the switches as given)
+            logger.warning("the planner finds no plan that fits this GPU (%.1f GiB): %s", gpu_gb, e)
+        return
+    logger.info("plan:\n%s", trainer._plan.table())
+
+
+def longest_row(trainer) -> int | None:
+    """Tokens in the longest row the training data can give, which the plan must hold: the configured maximum
+    (TRL's `max_length`) when there is one; else the longest `input_ids` of a `datasets.Dataset` (read from its
+    Arrow column, nothing decoded) or of the first 1,000 rows of another map-style dataset. None: no plan
+    (a stream without a maximum, or rows that are not token ids)."""
+    limit = getattr(trainer.args, "max_length", None) or getattr(trainer.args, "max_seq_length", None)
+    if isinstance(limit, int) and limit > 0:
+        return limit
+    ds = trainer.train_dataset
+    if ds is None or not hasattr(ds, "__len__") or not len(ds):
+        if ds is not None:
+            logger.info("plan: skipped -- a streaming dataset and no max_length to size it from")
+        return None
+    table = getattr(getattr(ds, "data", None), "table", None)
+    if table is not None and "input_ids" in table.column_names:
+        import pyarrow.compute as pc
+
+        return pc.max(pc.list_value_length(table.column("input_ids"))).as_py()
+    rows = [ds[i] for i in range(min(len(ds), 1000))]
+    lengths = [len(r["input_ids"]) for r in rows if isinstance(r, dict) and "input_ids" in r]
+    return max(lengths) if lengths else None
+
+
+def install_layer_swap(trainer) -> None:
+    """Keep `layer_swap` decoder layers on the device (planner's choice for 'auto'); the rest swap."""
+    setting = layer_swap_setting(trainer._flag("layer_swap"))  # False: off, None: auto, else resident layers
+    if setting is False:
+        return
+    if trainer.model_init is not None:
+        raise ConfigError("layer_swap places the layers of the model the Trainer is built with, but model_init "
+                          "builds a new model at every train(): pass model=... instead of model_init")
+    model = trainer.model
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = decoder_layers(inner)
+    if layers is None:
+        raise ConfigError("layer_swap needs a model whose decoder layers are an nn.ModuleList (every HF causal LM)")
+    if setting is None:
+        make_plan(trainer)
+        if trainer._plan is None:
+            raise ConfigError("layer_swap: auto asks the planner, which models decoder-only LMs trained on "
+                              "tokenized sequences; give the number of layers to keep on the GPU instead "
+                              f"(e.g. layer_swap: {len(layers) // 2})")
+        resident = trainer._plan.resident_layers
+    else:
+        resident = min(setting, len(layers))
+    device = trainer.args.device
+    in_layers = {id(m) for m in layers.modules()}
+    for m in inner.modules():  # everything but the decoder layers lives on the device
+        if id(m) not in in_layers:
+            for name, p in m._parameters.items():
+                if p is not None:
+                    p.data = p.data.to(device)
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = b.to(device)
+    trainer._swap = LayerSwap(layers, device, resident=resident, prefetch=trainer._flag("layer_swap_prefetch"))
+    if trainer.args.world_size > 1 and not trainer._streaming:
+        raise ConfigError("layer_swap with several processes needs offload_optimizer: true (the streamed optimizer "
+                          "reduces gradients itself; DistributedDataParallel cannot wrap swapped layers)")
+    if trainer._swap.trainable_swapped and not trainer._streaming:
+        raise ConfigError("layer_swap with trainable swapped layers (full finetune) needs offload_optimizer: true: "
+                          "the streamed optimizer updates each swapped layer while it is on the GPU. (With LoRA "
+                          "only the frozen base weights are swapped and any optimizer works.)")
+    claim_device_map(model, layers, device, trainer._swap.swapped_indices)
+    stats = trainer._swap.memory_stats()
+    logger.info("layer swap: %d of %d decoder layers on %s, %d in pinned CPU memory (%.2f GiB), "
+                "%.2f GiB of GPU slots, prefetch %d", stats["resident_layers"], len(layers), device,
+                stats["swapped_layers"], stats["host_bytes"] / 2**30, stats["gpu_slot_bytes"] / 2**30,
+                trainer._swap.prefetch)
+
+
+def device_state_bytes(trainer) -> int:
+    """`offload_device_states` in bytes: 'auto' takes the planner's choice (none without a plan)."""
+    value = device_state_setting(trainer._flag("offload_device_states"))
+    if value == "auto":
+        value = trainer._plan.device_state_gib if trainer._plan is not None and not trainer._sharded() else 0.0
+    return int(value * 2**30)
+
+
+def streamed_optimizer(trainer, model=None):
+    """The streamed AdamW over the Trainer's two parameter groups (decay, no decay), attached to the model, with the
+    switches left unset decided by the plan; logged once."""
+    if trainer.optimizer is None:
+        model = model if model is not None else trainer.model
+        decay = set(trainer.get_decay_parameter_names(model))
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in named if n in decay], "weight_decay": trainer.args.weight_decay},
+            {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+        ]
+        clip = trainer.args.max_grad_norm is not None and trainer.args.max_grad_norm > 0
+        accumulate = trainer.args.gradient_accumulation_steps > 1
+        offload_grads = trainer._resolved("offload_gradients")
+        if trainer._flag("offload_gradients") is None and trainer._swap is not None and trainer._swap.trainable_swapped:
+            offload_grads = offload_grads or accumulate  # swapped layers' gradients must not pile up on the GPU
+        trainer._offload_opt = StreamedAdamW8bit(
+            groups,  # both, also when one is empty: get_learning_rates() lists them as the Trainer's do
+            lr=trainer.args.learning_rate,
+            betas=(trainer.args.adam_beta1, trainer.args.adam_beta2),
+            eps=trainer.args.adam_epsilon,
+            weight_decay=trainer.args.weight_decay,
+            bf16_stochastic_round=trainer._flag("master_weights") == "bf16_sr",
+            update_in_backward=not clip,
+            offload_gradients=(clip or accumulate) and offload_grads,
+            chunk_numel=trainer._flag("offload_chunk_numel"),
+            inflight_chunks=trainer._flag("offload_inflight_chunks"),
+            sharding=Sharding() if trainer._sharded() else None,
+            fused=trainer._flag("offload_fused_update"),
+            device_state_bytes=device_state_bytes(trainer),
+        )
+        trainer._offload_opt.attach(model)
+        if trainer._swap is not None:
+            trainer._offload_opt.set_residency(trainer._swap.touch, ahead=trainer._swap.prefetch)
+        trainer._offload_opt.sync_weights()  # data parallel: every rank starts from rank 0's weights
+        trainer.optimizer = trainer._offload_opt
+        mode = "after backward, clipped to max_grad_norm" if clip else "during backward (no clipping)"
+        if trainer._offload_opt.offload_gradients:
+            mode += "; gradients wait in host memory" + (" between micro-batches" if accumulate else "")
+        logger.info("optimizer: AdamW, 8-bit states in %s memory, updates streamed %s%s",
+                    "pinned CPU" if trainer._offload_opt.device.type == "cuda" else "CPU", mode,
+                    (f"; data parallel over {trainer.args.world_size} ranks, each holding its share of the states"
+                     if trainer._sharded() else "")
+                    + (f"; up to {trainer._offload_opt.device_state_bytes / 2**30:.2f} GiB of them (the model's first "
+                       f"tensors) kept on the GPU" if trainer._offload_opt.device_state_bytes else ""))
+    return trainer.optimizer
+
+
+def say_not_streaming(trainer, optimizer, model=None) -> None:
+    """The Trainer's own optimizer runs (the streamed one does not: `streams_optimizer` says why): said once."""
+    if trainer._not_streaming_why and not getattr(trainer, "_said_not_streaming", False):
+        trainer._said_not_streaming = True
+        m = model if model is not None else trainer.model
+        weights = sum(p.numel() * p.element_size() for p in m.parameters()) / 2**30
+        grads = sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) / 2**30
+        logger.info("optimizer: %s, so the Trainer's own %s runs and nothing is offloaded: the %s holds the weights "
+                    "(%.2f GiB), their gradients (%.2f GiB) and its states", trainer._not_streaming_why,
+                    type(optimizer).__name__, "GPU" if trainer.args.device.type == "cuda" else trainer.args.device.type,
+                    weights, grads)
