@@ -20,7 +20,8 @@ class Cosine:
 
     def __init__(self, opt, steps, warmup=5):
         self.opt, self.steps, self.warmup, self.s = opt, steps, warmup, 0
-        self.base = [LR for _ in opt.param_groups]  # (not read back: torchao's is LR rounded to float32)
+        # each group's lr as built, rounded to float32 as torchao keeps it (ours keeps the float): the same on both
+        self.base = [float(torch.tensor(float(g["lr"]), dtype=torch.float32)) for g in opt.param_groups]
         self._set()
 
     def _set(self):

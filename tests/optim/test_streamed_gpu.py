@@ -136,8 +136,10 @@ def head_read_errors(mode: str, seeds, monkeypatch=None) -> list[float]:
         start = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
         run(ref, ref_opt, steps=6, accum=1, max_norm=max_norm, seed=seed, streamed=False, device="cuda")
         if monkeypatch is not None:
-            natural = lambda self: {u: u for u in range(len(self._units))}  # noqa: E731
-            monkeypatch.setattr(StreamedAdamW8bit, "_launch_order", natural)
+            from offload_trainer.optim.schedule import Schedule
+
+            natural = lambda self: {u: u for u in range(len(self.units))}  # noqa: E731
+            monkeypatch.setattr(Schedule, "launch_order", natural)
         run(ours, opt, steps=6, accum=1, max_norm=max_norm, seed=seed, streamed=True, device="cuda")
         if monkeypatch is not None:
             monkeypatch.undo()
