@@ -19,8 +19,8 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 # Only light modules here: `--help`, `keys` and a refused run answer before torch (2 s) or transformers (8 s) load.
 from .config import ConfigError, load_config, parse_args  # noqa: E402
-from .errors import (CheckpointError, DataError, OutputBusy, StorageError, TrainingInterrupted,  # noqa: E402
-                     TrainingStopped)
+from .errors import (CheckpointError, DataError, MergeError, OutputBusy, StorageError,  # noqa: E402
+                     TrainingInterrupted, TrainingStopped)
 from .outputs import OutputLock, check_output_dir, check_space  # noqa: E402
 
 logger = logging.getLogger("offload_trainer")
@@ -294,9 +294,10 @@ def write_outputs(trainer, tokenizer, model_args) -> None:
         trainer.save_model()
         trainer.save_state()
         if model_args.lora_r and getattr(model_args, "load_in_4bit", False):
-            logger.info("QLoRA: the adapters are in %s. No merged model is written: merging into NF4 weights rounds "
-                        "the update away. Load the bf16 base, then peft's PeftModel.from_pretrained(base, %r) and "
-                        "merge_and_unload().", args.output_dir, args.output_dir)
+            base = model_args.model_name_or_path or "BASE_DIR"
+            logger.info("QLoRA: the adapters are in %s. No merged model is written: merging into the NF4 weights "
+                        "would round the update away. Into the bf16 base, one shard at a time: offload-trainer merge "
+                        "%s --base %s", args.output_dir, args.output_dir, base)
         elif model_args.lora_r:  # a merged model that plain transformers loads goes to out/merged
             merged = os.path.join(args.output_dir, "merged")
             with staged_save(merged, "the merged model") as staging:
@@ -372,6 +373,11 @@ def _parser() -> argparse.ArgumentParser:
                                                      "to a transformers directory")
     p_example.add_argument("out_dir", nargs="?", default="outputs/smollm2-135m")
     sub.add_parser("keys", help="list every config key, with its type and default")
+    p_merge = sub.add_parser("merge", help="merge LoRA adapters into the base model's own weights, shard by shard "
+                                           "(a plain transformers model; after QLoRA, into the bf16 base)")
+    p_merge.add_argument("adapter_dir", help="a LoRA run's output_dir (adapter_config.json, adapter_model.safetensors)")
+    p_merge.add_argument("--base", required=True, help="the base model's directory (its bf16 safetensors)")
+    p_merge.add_argument("--out", default=None, help="where to write the merged model (default: ADAPTER_DIR/merged)")
     return parser
 
 
@@ -388,6 +394,10 @@ def _run(args) -> None:
         print(summary(args.output_dir))
         for path in write_report(args.output_dir):
             print(path)
+    elif args.command == "merge":
+        from .merge import merge_lora
+
+        print(merge_lora(args.adapter_dir, args.base, args.out or os.path.join(args.adapter_dir, "merged")))
     elif args.command == "example-model":
         from .examples import export_smollm2
 
@@ -398,6 +408,7 @@ def _run(args) -> None:
 
 # What ends a command, how it is said, and its exit code (a signal's: 128 + its number).
 _ENDINGS = ((ConfigError, "error", EXIT_INPUT), (DataError, "error", EXIT_INPUT), (CheckpointError, "error", EXIT_INPUT),
+            (MergeError, "error", EXIT_INPUT),
             (FileNotFoundError, "error", EXIT_INPUT), (StorageError, "storage", EXIT_STORAGE),
             (OutputBusy, "busy", EXIT_BUSY), (TrainingStopped, "stopped", EXIT_STOPPED))
 

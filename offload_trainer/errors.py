@@ -11,6 +11,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message says what is wrong and what to do."""
 
 
+class MergeError(ValueError):
+    """LoRA adapters that do not fit the base they are merged into (names, shapes), or a directory lacking what the
+    merge reads."""
+
+
 class StorageError(OSError):
     """The run cannot write its outputs: the disk is full (or would be), or output_dir is not writable. Nothing
     complete-looking is left half-written; the message names the path, the bytes needed and the fix."""

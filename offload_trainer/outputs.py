@@ -138,6 +138,7 @@ def staged_save(output_dir: str, what: str):
     (replacing those of the same name), so a save cut short leaves only the staging directory, removed here or by the
     next run -- never a half-written model beside a config that looks complete. A full disk becomes StorageError."""
     staging = os.path.join(output_dir, STAGING_FINAL)
+    existed = os.path.isdir(output_dir)
     shutil.rmtree(staging, ignore_errors=True)
     os.makedirs(staging)
     try:
@@ -149,6 +150,10 @@ def staged_save(output_dir: str, what: str):
             for name in files:
                 os.replace(os.path.join(root, name), os.path.join(dest, name))
     except Exception as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not existed:  # (made for this save: nothing of it stays)
+            with contextlib.suppress(OSError):
+                os.rmdir(output_dir)
         if disk_full(e, output_dir):
             raise StorageError(f"out of disk space while writing {what} to {output_dir!r} "
                                f"({free_bytes(output_dir) / 2**30:.2f} GiB free); nothing of it was kept. Free some "

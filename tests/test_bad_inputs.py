@@ -238,10 +238,12 @@ def test_nonfinite_steps(tmp_path, capsys):
 def test_every_row_has_a_test():
     rows = doc_rows()
     assert len(rows) >= 20
-    here = Path(__file__).read_text() + (Path(__file__).parent / "test_faults.py").read_text()
+    here = "".join((Path(__file__).parent / f).read_text()
+                   for f in ("test_bad_inputs.py", "test_faults.py", "test_qlora_outputs.py"))
     from test_faults import DATA_ROWS, MODEL_ROWS, ROWS as FAULT_ROWS, TRAINS
 
-    tested = set(CONFIG_ROWS) | set(FAULT_ROWS) | set(MODEL_ROWS) | set(DATA_ROWS) | set(TRAINS) | set(re.findall(r'\("([a-z0-9-]+)", ', here)) | {
+    tested = set(CONFIG_ROWS) | set(FAULT_ROWS) | set(MODEL_ROWS) | set(DATA_ROWS) | set(TRAINS)
+    tested |= set(re.findall(r'\("([a-z0-9-]+)", ', here)) | {
         name[len("test_"):].replace("_", "-") for name in re.findall(r"^def (test_\w+)", here, re.M)}
     tested.add("interrupted")  # tests/test_checkpoint_kill.py::test_sigterm_saves_and_resumes
     missing = set(rows) - tested

@@ -1,0 +1,105 @@
+"""What a (Q)LoRA run leaves behind: the adapters, written first and staged; for QLoRA no merged model (merging into NF4
+would round the update away) but the command that merges into the bf16 base shard by shard, and the merge itself
+against peft's own `merge_and_unload`."""
+import json
+
+import pytest
+import torch
+
+from cli_cases import log_to_current_stderr
+from offload_trainer import cli
+from offload_trainer.models import architecture_config, builtin_asset
+
+pytest.importorskip("bitsandbytes")
+IDS = torch.tensor([[1, 5, 9, 33, 200, 7, 64, 3, 17, 90, 12, 4]])
+
+
+def save_base(path, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = architecture_config("tiny-llama", {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(path, max_shard_size="200KB")
+    AutoTokenizer.from_pretrained(builtin_asset("tokenizer")).save_pretrained(path)
+    return path
+
+
+def logits(model) -> torch.Tensor:
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=IDS).logits.float()
+
+
+def test_merge_shard_by_shard_equals_peft_merge_and_unload(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base_dir = save_base(tmp_path / "base", torch.float32)
+    assert len(list(base_dir.glob("*.safetensors"))) > 2  # several shards: merged one at a time
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():  # (B starts at zero: give the adapters something to merge)
+        if "lora_B" in name:
+            p.data.normal_(std=0.05)
+    model.save_pretrained(tmp_path / "adapters")
+    want = logits(model.merge_and_unload())
+    assert cli.main(["merge", str(tmp_path / "adapters"), "--base", str(base_dir)]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "adapters" / "merged", dtype=torch.float32)
+    base = logits(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32))
+    got = logits(merged)
+    assert not torch.allclose(got, base, atol=1e-3)  # the adapters did change it
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_merge_refuses_adapters_of_another_model(tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base_dir = save_base(tmp_path / "base", torch.float32)
+    cfg = architecture_config("tiny-llama", {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2})
+    other = get_peft_model(AutoModelForCausalLM.from_config(cfg), LoraConfig(r=4, target_modules="all-linear"))
+    other.save_pretrained(tmp_path / "adapters")
+    assert cli.main(["merge", str(tmp_path / "adapters"), "--base", str(base_dir)]) == 2
+    assert "these adapters were trained on another model" in capsys.readouterr().err
+    assert not (tmp_path / "adapters" / "merged").exists()
+
+
+def test_qlora_run_writes_adapters_that_reload_with_plain_transformers_and_peft(tmp_path, capsys, monkeypatch):
+    """QLoRA through the command: the adapters (no merged model), the log names the merge command; reloaded with
+    transformers' own 4-bit load and peft they give the trained model's logits; merged into the bf16 base they give
+    peft's merge of the same adapters into it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    base_dir = save_base(tmp_path / "base", torch.bfloat16)
+    out = tmp_path / "out"
+    trained = {}
+    real = cli.write_outputs
+
+    def capture(trainer, tokenizer, model_args):
+        trained["logits"] = logits(trainer.model)
+        return real(trainer, tokenizer, model_args)
+
+    monkeypatch.setattr(cli, "write_outputs", capture)
+    log_to_current_stderr()
+    rc = cli.main(["train", "configs/tiny-cpu.yaml", "model_config=null", f"model_name_or_path={base_dir}",
+                   "torch_dtype=bfloat16", "lora_r=8", "lora_alpha=16", "load_in_4bit=true", "max_steps=3",
+                   "logging_steps=1", "save_strategy=no", "eval_fraction=0", "per_device_train_batch_size=2",
+                   "max_seq_length=32", "learning_rate=1e-2", f"output_dir={out}"])
+    err = capsys.readouterr().err
+    assert rc == 0, err[-3000:]
+    assert (out / "adapter_model.safetensors").exists() and not (out / "merged").exists()
+    assert f"offload-trainer merge {out} --base {base_dir}" in err
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
+                               bnb_4bit_use_double_quant=True)
+    base4 = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant, dtype=torch.bfloat16,
+                                                 device_map={"": "cpu"})
+    reloaded = PeftModel.from_pretrained(base4, out)
+    torch.testing.assert_close(logits(reloaded), trained["logits"], rtol=0, atol=0)
+    assert cli.main(["merge", str(out), "--base", str(base_dir)]) == 0
+    merged = logits(AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.bfloat16))
+    bf16 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16), out)
+    torch.testing.assert_close(merged, logits(bf16.merge_and_unload()), rtol=0.02, atol=0.02)  # bf16 rounding
+    cfg = json.loads((out / "merged" / "config.json").read_text())
+    assert "quantization_config" not in cfg
