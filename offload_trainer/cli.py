@@ -294,10 +294,11 @@ def write_outputs(trainer, tokenizer, model_args) -> None:
         trainer.save_model()
         trainer.save_state()
         if model_args.lora_r and getattr(model_args, "load_in_4bit", False):
-            base = model_args.model_name_or_path or "BASE_DIR"
+            how = (f"into the bf16 base, one shard at a time: offload-trainer merge {args.output_dir} --base "
+                   f"{model_args.model_name_or_path}" if model_args.model_name_or_path else
+                   "(a random-init base has no checkpoint to merge into)")
             logger.info("QLoRA: the adapters are in %s. No merged model is written: merging into the NF4 weights "
-                        "would round the update away. Into the bf16 base, one shard at a time: offload-trainer merge "
-                        "%s --base %s", args.output_dir, args.output_dir, base)
+                        "would round the update away. To merge %s", args.output_dir, how)
         elif model_args.lora_r:  # a merged model that plain transformers loads goes to out/merged
             merged = os.path.join(args.output_dir, "merged")
             with staged_save(merged, "the merged model") as staging:

@@ -90,7 +90,7 @@ def test_qlora_run_writes_adapters_that_reload_with_plain_transformers_and_peft(
     err = capsys.readouterr().err
     assert rc == 0, err[-3000:]
     assert (out / "adapter_model.safetensors").exists() and not (out / "merged").exists()
-    assert f"offload-trainer merge {out} --base {base_dir}" in err
+    assert f"To merge into the bf16 base, one shard at a time: offload-trainer merge {out} --base {base_dir}" in err
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.bfloat16,
                                bnb_4bit_use_double_quant=True)
     base4 = AutoModelForCausalLM.from_pretrained(base_dir, quantization_config=quant, dtype=torch.bfloat16,
