@@ -217,28 +217,27 @@ def final_output_bytes(model_args, model_config) -> int:
 
 def build_trainer(model_args, data_args, training_args, model_config, plan=None):
     """(trainer, tokenizer, eval dataset): data, model and the OffloadTrainer over them (with the run's `plan`)."""
-    if getattr(model_config, "vision_config", None) is not None:
-        raise ConfigError(f"{model_args.model_name_or_path or model_args.model_config} is a vision-language model: "
-                          f"`offload-trainer plan` plans it, but `train` has no image data pipeline yet (text alone "
-                          f"would skip its cross-attention layers). Train it from Python with LayerSwap and inputs "
-                          f"that carry pixel_values, as bench/qlora_bench.py does.")
     from transformers import set_seed
 
     from .data import build_datasets, data_collator
     from .models import DTYPES, count_params, load_model, load_tokenizer, random_init_device
+    from .planner import layer_swap_setting
     from .trainer import OffloadTrainer
 
     set_seed(training_args.seed)
     with model_errors(model_args.tokenizer_name_or_path or model_args.model_name_or_path, "the tokenizer"):
         tokenizer = load_tokenizer(model_args)
     vocab = (getattr(model_config, "text_config", None) or model_config).vocab_size
-    # (rank 0 tokenizes, the others then read its cache)
-    train_ds, eval_ds = build_datasets(data_args, tokenizer, vocab_size=vocab, seed=training_args.seed,
-                                       main_process_first=lambda: training_args.main_process_first(desc="dataset"))
-    if hasattr(train_ds, "__len__"):
+    processor = None
+    if getattr(model_config, "vision_config", None) is not None:
+        processor, train_ds, eval_ds = image_text_data(model_args, data_args, training_args, model_config, tokenizer)
+    else:  # (rank 0 tokenizes, the others then read its cache)
+        train_ds, eval_ds = build_datasets(data_args, tokenizer, vocab_size=vocab, seed=training_args.seed,
+                                           main_process_first=lambda: training_args.main_process_first(desc="dataset"))
+    if processor is None and hasattr(train_ds, "__len__"):
         logger.info("data: %d training rows of up to %d tokens%s", len(train_ds), data_args.max_seq_length,
                     f", {len(eval_ds)} held out" if eval_ds is not None and hasattr(eval_ds, "__len__") else "")
-    swap = str(training_args.layer_swap) != "off"
+    swap = layer_swap_setting(training_args.layer_swap) is not False
     init_device = None  # a random-init model is built where it will train, when it fits there (not swapped)
     if not (model_args.model_name_or_path or getattr(model_args, "load_in_4bit", False) or swap):
         init_device = random_init_device(model_config, DTYPES[model_args.torch_dtype], training_args.device,
@@ -259,10 +258,34 @@ def build_trainer(model_args, data_args, training_args, model_config, plan=None)
     # tokenizer, DataCollatorWithPadding, took ~6 ms per 4 x 2048 batch in tokenizer.pad, at every step's start, and
     # would add an attention mask, which turns off the per-document masks that position_ids give.)
     trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
-                             processing_class=tokenizer, data_collator=data_collator(data_args, tokenizer),
-                             offload_plan=plan)
+                             processing_class=processor or tokenizer, offload_plan=plan,
+                             data_collator=data_collator(data_args, tokenizer, processor, train_ds))
     _one_line_per_log(trainer)
     return trainer, tokenizer, eval_ds
+
+
+def image_text_data(model_args, data_args, training_args, model_config, tokenizer):
+    """(processor, train, eval) for a vision-language model: the model's own processor (or, for a random-init named
+    architecture, one built from its config and the tokenizer), and image-text records, loss on the assistant turns."""
+    from .data import build_image_text, build_processor
+    from .models import DTYPES
+
+    if model_args.model_name_or_path:
+        from transformers import AutoProcessor
+
+        from .models import hub_kwargs
+
+        with model_errors(model_args.model_name_or_path, "the processor"):
+            processor = AutoProcessor.from_pretrained(model_args.model_name_or_path, **hub_kwargs(model_args))
+    else:
+        processor = build_processor(model_config, tokenizer)
+    train_ds, eval_ds = build_image_text(data_args, config=model_config, seed=training_args.seed,
+                                         dtype=DTYPES[model_args.torch_dtype])
+    # The rows are records (messages, image paths) the collator renders: the Trainer must pass them on whole.
+    training_args.remove_unused_columns = False
+    logger.info("data: %d image-text records%s; loss on the assistant turns (images opened per batch)", len(train_ds),
+                f", {len(eval_ds)} held out" if eval_ds is not None else "")
+    return processor, train_ds, eval_ds
 
 
 def _one_line_per_log(trainer) -> None:

@@ -43,6 +43,19 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_global_layers=8,
                            attention_heads=16, image_size=560, patch_size=14, max_num_tiles=4,
                            vision_output_dim=7680, intermediate_layers_indices=[3, 7, 15, 23, 30])),
+    # Llama-3.2-11B-Vision: Llama-3.1-8B's 32 self-attention layers with 8 cross-attention layers among them (40),
+    # and the same vision encoder as the 90B.
+    "llama3.2-11b-vision": dict(
+        model_type="mllama",
+        text_config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
+                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=8192),
+                         cross_attention_layers=list(range(3, 40, 5)), tie_word_embeddings=False),
+        vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_global_layers=8,
+                           attention_heads=16, image_size=560, patch_size=14, max_num_tiles=4,
+                           vision_output_dim=7680, intermediate_layers_indices=[3, 7, 15, 23, 30])),
     # the same structure, small enough for CPU tests
     "tiny-mllama": dict(
         model_type="mllama",
@@ -142,8 +155,6 @@ def load_model(model_args, *, layerwise: bool = False,
     `layerwise` (layer swap): a 4-bit base is read and quantized one layer at a time and kept in CPU memory, so it
     may be bigger than the GPU. `init_device`: where a random-init model is built (default: the CPU; see
     `random_init_device`)."""
-    from transformers import AutoModelForCausalLM
-
     dtype = DTYPES[model_args.torch_dtype]
     if getattr(model_args, "load_in_4bit", False):
         model = _load_4bit(model_args, dtype, layerwise=layerwise)
@@ -154,23 +165,30 @@ def load_model(model_args, *, layerwise: bool = False,
         gguf = [f for f in os.listdir(path) if f.endswith(".gguf")] if os.path.isdir(path) else []
         if gguf and not os.path.exists(os.path.join(path, "config.json")):
             kwargs["gguf_file"] = gguf[0]
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path, **{k: v for k, v in kwargs.items() if k not in (
+            "dtype", "attn_implementation")})
+        model = model_class(config).from_pretrained(path, **kwargs)
     else:
         config = architecture_config(model_args.model_config, model_args.model_overrides)
         config._attn_implementation = model_args.attn_implementation
         with torch.device(init_device or "cpu"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = model_class(config).from_config(config, dtype=dtype)
     # Training never reads a KV cache, and one built in forward turns off transformers' per-document masks of packed
     # rows (it detects packing from position_ids only without a cache).
     model.config.use_cache = False
     if model_args.lora_r:
         from peft import LoraConfig, get_peft_model
 
+        vision = getattr(model.config, "vision_config", None) is not None
         targets = model_args.lora_target_modules
         if targets != "all-linear":
             targets = [t.strip() for t in targets.split(",")]
+        elif vision:  # the language model's linear layers: the vision tower and its projector stay frozen
+            targets = VISION_LM_TARGETS
         lora = LoraConfig(r=model_args.lora_r, lora_alpha=model_args.lora_alpha, lora_dropout=model_args.lora_dropout,
-                          target_modules=targets, task_type="CAUSAL_LM")
+                          target_modules=targets, task_type=None if vision else "CAUSAL_LM")
         try:
             model = get_peft_model(model, lora)
         except ValueError as e:
@@ -182,6 +200,10 @@ def load_model(model_args, *, layerwise: bool = False,
             raise ConfigError(f"lora_target_modules={model_args.lora_target_modules!r} matches no module of the model;"
                               f" its linear modules are named {', '.join(names)} (or use all-linear)") from None
     return model
+
+
+# `lora_target_modules: all-linear` on a vision-language model: every linear layer of its language model.
+VISION_LM_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
 
 def model_class(config):

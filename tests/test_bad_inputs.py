@@ -132,11 +132,6 @@ def test_several_gpus_one_process(tmp_path, capsys, monkeypatch, no_model_load):
            "CUDA_VISIBLE_DEVICES=0")
 
 
-def test_vision_language_model_in_train(tmp_path, capsys, no_model_load):
-    expect(Case(tmp_path, "model_config: tiny-mllama\nmodel_overrides: {}\n"), capsys, 2,
-           "tiny-mllama is a vision-language model", "no image data pipeline", "bench/qlora_bench.py")
-
-
 def test_gpu_too_small(tmp_path, capsys, no_model_load):
     expect(Case(tmp_path, "model_config: llama3-8b\nmodel_overrides: {}\ngpu_memory_limit_gb: 4\n"
                           "max_seq_length: 2048\n"), capsys, 2,
@@ -239,7 +234,7 @@ def test_every_row_has_a_test():
     rows = doc_rows()
     assert len(rows) >= 20
     here = "".join((Path(__file__).parent / f).read_text()
-                   for f in ("test_bad_inputs.py", "test_faults.py", "test_qlora_outputs.py"))
+                   for f in ("test_bad_inputs.py", "test_faults.py", "test_qlora_outputs.py", "data/test_vision.py"))
     from test_faults import DATA_ROWS, MODEL_ROWS, ROWS as FAULT_ROWS, TRAINS
 
     tested = set(CONFIG_ROWS) | set(FAULT_ROWS) | set(MODEL_ROWS) | set(DATA_ROWS) | set(TRAINS)

@@ -15,9 +15,10 @@ from ..errors import DataError
 from .formats import IGNORE_INDEX, Tokenize, detect_format, has_generation_markers, tokenize_batch
 from .packing import STATS, STRATEGIES, PaddingCollator, pack_batch, truncate_batch
 from .sources import BUILTIN, check_source, load, not_utf8, resolve
+from .vision import ImageTextCollator, ImageTextRecords, RandomImageText, build_processor
 
-__all__ = ["IGNORE_INDEX", "DataError", "build_datasets", "data_collator", "random_dataset", "check_dataset_path",
-           "PaddingCollator", "STRATEGIES", "BUILTIN", "resolve"]
+__all__ = ["IGNORE_INDEX", "DataError", "build_datasets", "build_image_text", "build_processor", "data_collator",
+           "random_dataset", "check_dataset_path", "PaddingCollator", "STRATEGIES", "BUILTIN", "resolve"]
 
 logger = logging.getLogger("offload_trainer")
 check_dataset_path = check_source
@@ -41,13 +42,31 @@ def random_dataset(vocab_size: int, seq_len: int, num_samples: int, seed: int = 
     return RandomTokens(vocab_size, seq_len, num_samples, seed)
 
 
-def data_collator(data_args, tokenizer):
+def data_collator(data_args, tokenizer, processor=None, records=None):
     """The collator for build_datasets' rows: packed rows are all max_seq_length long (stacking them is all there is
-    to do); unpacked rows are padded per batch."""
+    to do); unpacked rows are padded per batch; image-text records are rendered and their images opened per batch."""
     from transformers import default_data_collator
 
+    if processor is not None and isinstance(records, ImageTextRecords):
+        return ImageTextCollator(processor, records, max_length=data_args.max_seq_length)
     return default_data_collator if data_args.packing or data_args.dataset_path == "random" else \
         PaddingCollator(tokenizer.pad_token_id)
+
+
+def build_image_text(data_args, *, config, seed: int = 0, dtype=torch.float32):
+    """(train, eval or None) of image-text records for a vision-language model (vision.py), or random rows."""
+    if data_args.dataset_path == "random":
+        return RandomImageText(config, data_args.max_seq_length, data_args.random_num_samples, seed, dtype), None
+    train_raw, eval_raw = _splits(data_args, seed)
+    name = data_args.dataset_path
+    if "messages" not in _columns(train_raw):
+        raise DataError(f"dataset {name!r}: a vision-language model trains on image-text records: 'messages' whose "
+                        f"content holds {{\"type\": \"image\"}} parts, and 'images'; these have columns "
+                        f"{sorted(_columns(train_raw))}")
+    path = resolve(name)
+    root = os.path.dirname(os.path.abspath(path)) if os.path.isfile(path) else (path if os.path.isdir(path) else "")
+    train = ImageTextRecords(train_raw, f"{name} ({data_args.dataset_train_split})", root)
+    return train, None if eval_raw is None else ImageTextRecords(eval_raw, f"{name} (eval)", root)
 
 
 def build_datasets(data_args, tokenizer, *, vocab_size: int, seed: int = 0, main_process_first=None):
