@@ -12,6 +12,8 @@ SYSTEM:
   torchao_cpu_offload  torchao CPUOffloadOptimizer(AdamW fused, offload_gradients=True)
 
 All systems: bf16 weights, SDPA, non-reentrant gradient checkpointing, random tokens, labels = inputs.
+--liger (native systems): Liger's kernels on the model as use_liger_kernel applies them; the row's system gets
+"_liger" (native_liger: the stock run a Liger user compares with).
 --resident N|auto (offload_trainer systems): keep N decoder layers on the GPU and swap the others (swap.py);
 auto asks the planner. The model is built on the GPU before the cap is set, then the swapped layers move to
 pinned host memory and the peak counters are reset: what a user gets by loading on the CPU, faster to set up.
@@ -170,6 +172,8 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="write the profiled step's events here (gzipped JSON; any system)")
     ap.add_argument("--profile-steps", type=int, default=1,
                     help="profile this many steps back to back (with clipping, the updates overlap the next forward)")
+    ap.add_argument("--liger", action="store_true", help="Liger's kernels on the model (RMSNorm, SwiGLU, RoPE, fused "
+                    "linear cross-entropy in the model's loss), as the Trainer's use_liger_kernel applies them")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -202,6 +206,11 @@ def main() -> None:
     try:
         with torch.device("cuda"):
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        if a.liger:
+            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+            _apply_liger_kernel_to_instance(model=model)
+            row["system"] += "_liger"
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         offloader = None

@@ -51,9 +51,19 @@ def apply_gpu_memory_limit(gib: float | None) -> None:
     torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
 
 
+def _liger_computes_loss(model: nn.Module) -> bool:
+    """The model's forward is Liger's (`use_liger_kernel`: the Trainer binds it at train()): its fused linear
+    cross-entropy never materialises the logits either, in one kernel, so the chunked loss steps aside for it rather
+    than bypass it (calling the decoder and the head itself would silently drop Liger's loss)."""
+    forward = getattr(model, "forward", None)
+    return getattr(getattr(forward, "__func__", forward), "__module__", "").startswith("liger_kernel")
+
+
 def _head_and_decoder(model: nn.Module):
     """(decoder, lm_head) when the chunked loss can reproduce the model's own loss exactly, else None."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if _liger_computes_loss(inner):
+        return None
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     decoder = getattr(inner, getattr(inner, "base_model_prefix", ""), None)
     cfg = getattr(inner, "config", None)
@@ -92,6 +102,7 @@ class OffloadMixin:
         self._swap: LayerSwap | None = None
         self._activations = None  # the ActivationOffloader, once installed in this train()
         self._want_activations = self._device_loss_filter = self._skip_step = self._said_nonfinite = False
+        self._said_liger = False
         self._staging_run_dir: str | None = None  # set while a checkpoint is written (staging.save_checkpoint)
         self._interrupted: int | None = None  # the signal that asked training to stop
         self._reset_log_counters()
@@ -235,6 +246,10 @@ class OffloadMixin:
     def _compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunk = self._flag("loss_chunk_size")
         parts = _head_and_decoder(self.accelerator.unwrap_model(model)) if chunk else None
+        if chunk and parts is None and self.args.use_liger_kernel and not self._said_liger:
+            self._said_liger = True
+            logger.info("use_liger_kernel: Liger's fused linear cross-entropy computes the loss (it keeps no full "
+                        "logits either); loss_chunk_size steps aside")
         usable = (parts is not None and not return_outputs and "labels" in inputs and self.label_smoother is None
                   and self.compute_loss_func is None)
         if not usable:
