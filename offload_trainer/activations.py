@@ -14,6 +14,7 @@ model (its `_set_gradient_checkpointing` hook, the only seam transformers offers
 from __future__ import annotations
 
 import collections
+import functools
 
 import torch
 from torch import Tensor
@@ -128,21 +129,29 @@ class ActivationOffloader:
         # A tensor that requires grad makes autograd record the call even when no input does (frozen
         # embeddings): the layer's own parameters still need their gradients.
         anchor = torch.empty(0, requires_grad=True)
-        return _OffloadedCheckpoint.apply(fn, kwargs, self, anchor, *args)
+        if isinstance(fn, functools.partial):  # transformers' checkpointed layers bind their keyword arguments so
+            fn, kwargs = functools.partial(fn.func, *fn.args), {**fn.keywords, **kwargs}
+        # Keyword tensors are inputs of the Function too: the recompute must start from detached copies of them and
+        # return their gradients. Left inside `fn`, a tensor shared by several layers (a vision-language model's
+        # cross-attention states) would be backpropagated through its own graph once per layer.
+        names = tuple(k for k, v in kwargs.items() if isinstance(v, Tensor))
+        static = {k: v for k, v in kwargs.items() if k not in names}
+        return _OffloadedCheckpoint.apply(fn, static, names, self, anchor, *args, *(kwargs[k] for k in names))
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):
-    """Forward without a graph; backward recomputes from the offloaded input (reentrant style)."""
+    """Forward without a graph; backward recomputes from the offloaded input (reentrant style).
+    Inputs: x, the other positional arguments, then the keyword tensors named by `names`."""
 
     @staticmethod
-    def forward(ctx, fn, kwargs, offloader: ActivationOffloader, anchor, x, *rest):
-        ctx.fn, ctx.kwargs, ctx.offloader, ctx.rest = fn, kwargs, offloader, rest
+    def forward(ctx, fn, kwargs, names, offloader: ActivationOffloader, anchor, x, *rest):
+        ctx.fn, ctx.kwargs, ctx.names, ctx.offloader, ctx.rest = fn, kwargs, names, offloader, rest
         ctx.x_requires_grad = x.requires_grad
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
         ctx.idx = offloader._save(x)
         with torch.no_grad():
-            out = fn(x, *rest, **kwargs)
+            out = _call(fn, x, rest, kwargs, names)
         return out
 
     @staticmethod
@@ -155,13 +164,19 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
-            out = ctx.fn(x, *rest, **ctx.kwargs)
+            out = _call(ctx.fn, x, rest, ctx.kwargs, ctx.names)
         outs = out if isinstance(out, tuple) else (out,)
         pairs = [(o, g) for o, g in zip(outs, grads) if isinstance(o, Tensor) and o.requires_grad and g is not None]
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         rest_grads = [r.grad if isinstance(r, Tensor) else None for r in rest]
-        return (None, None, None, None, x.grad if ctx.x_requires_grad else None, *rest_grads)
+        return (None, None, None, None, None, x.grad if ctx.x_requires_grad else None, *rest_grads)
+
+
+def _call(fn, x: Tensor, rest, kwargs: dict, names: tuple):
+    """fn(x, *positional, **kwargs) with the keyword tensors, the last len(names) of `rest`, put back by name."""
+    cut = len(rest) - len(names)
+    return fn(x, *rest[:cut], **kwargs, **dict(zip(names, rest[cut:])))
 
 
 def enable_activation_offload(model: torch.nn.Module, *, prefetch: int = 1,

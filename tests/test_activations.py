@@ -53,6 +53,33 @@ def test_bare_loop_checkpoint_function():
     assert torch.equal(ref, got)
 
 
+def test_a_keyword_tensor_shared_by_layers_gets_its_gradient_once_per_layer():
+    """transformers binds a checkpointed layer's keyword arguments into a partial; a keyword tensor that requires
+    grad and feeds several layers (cross-attention states) must get every layer's gradient, as with plain
+    checkpointing, not be backpropagated through its own graph once per layer."""
+    import functools
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(3)]
+    proj = torch.nn.Linear(8, 8)
+
+    def layer_fn(layer, h, *, states, scale):
+        return torch.tanh(layer(h) + states * scale)
+
+    def run(checkpoint):
+        for m in (*layers, proj):
+            m.zero_grad()
+        h, states = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), proj(torch.ones(4, 8))
+        for layer in layers:
+            h = checkpoint(functools.partial(layer_fn, layer, states=states, scale=0.5), h)
+        h.sum().backward()
+        return [p.grad.clone() for m in (*layers, proj) for p in m.parameters()]
+
+    ref = run(lambda fn, h: torch.utils.checkpoint.checkpoint(fn, h, use_reentrant=False))
+    got = run(ActivationOffloader("cpu").checkpoint)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
 def test_max_inflight_bounds_pending_copies(monkeypatch):
     """Forward's CPU waits for the oldest pending copy once more than `max_inflight` are queued, oldest first."""
     model, _, train = tiny_setup(layers=4)

@@ -107,7 +107,8 @@ def test_lora_with_layer_swap_trains_the_language_model_only(tmp_path, capsys):
     """The 90B-Vision config's path at tiny size: LoRA on every linear layer of the language model (the vision
     encoder frozen) with the decoder layers swapped; the saved adapters name no vision module."""
     cfg = config(tmp_path, write_data(tmp_path), lora_r=4, lora_alpha=8, lora_target_modules="all-linear",
-                 layer_swap=2, activation_checkpointing=True, max_steps=4, logging_steps=2, learning_rate=1e-2)
+                 layer_swap=2, activation_checkpointing=True, activation_offload=True, max_steps=4, logging_steps=2,
+                 learning_rate=1e-2)
     rc, err = train(tmp_path, capsys, cfg)
     assert rc == 0, err[-3000:]
     assert "layer swap" in err.lower(), err[-3000:]
