@@ -15,6 +15,18 @@ from offload_trainer.args import HAS_ACTIVATION_CHECKPOINTING
 pytestmark = pytest.mark.gpu
 
 
+@pytest.fixture
+def liger_patches_undone():
+    """Liger patches transformers' Llama module itself (RMSNorm, MLP and RoPE for every later model, as under the
+    stock Trainer): undone after the test, so later tests in this process build plain models."""
+    from transformers.models.llama import modeling_llama
+
+    saved = dict(vars(modeling_llama))
+    yield
+    for name, value in saved.items():
+        setattr(modeling_llama, name, value)
+
+
 def _losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
@@ -33,7 +45,8 @@ def _train(tmp_path, name, cls, args_cls, **kw):
 STOCK_CHECKPOINTING = {"activation_checkpointing" if HAS_ACTIVATION_CHECKPOINTING else "gradient_checkpointing": True}
 
 
-def test_gpu_use_liger_kernel_trains_with_liger_loss_as_the_stock_trainer(tmp_path, monkeypatch, caplog):
+def test_gpu_use_liger_kernel_trains_with_liger_loss_as_the_stock_trainer(tmp_path, monkeypatch, caplog,
+                                                                          liger_patches_undone):
     pytest.importorskip("liger_kernel")
     if not torch.cuda.is_available():
         pytest.skip("Liger's kernels need a GPU")
