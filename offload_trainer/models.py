@@ -199,7 +199,33 @@ def load_model(model_args, *, layerwise: bool = False,
             names = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
             raise ConfigError(f"lora_target_modules={model_args.lora_target_modules!r} matches no module of the model;"
                               f" its linear modules are named {', '.join(names)} (or use all-linear)") from None
+    if getattr(model.config, "vision_config", None) is not None:
+        no_backward_into_a_frozen_vision_tower(model)
     return model
+
+
+def no_backward_into_a_frozen_vision_tower(model: torch.nn.Module) -> None:
+    """While nothing in the vision tower or its projector trains, the image features leave the projector detached.
+
+    Hooks that make inputs require grad (peft's and the Trainer's `enable_input_require_grads`, for checkpointing
+    with frozen embeddings) reach the vision embeddings too, so the cross-attention states required grad and every
+    backward ran, and recomputed under checkpointing, the whole frozen vision encoder for gradients nothing reads.
+    Values and the trained parameters' gradients are unchanged; unfreeze a vision parameter and its gradient flows.
+    """
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    holder = getattr(inner, "model", inner)
+    projector = getattr(holder, "multi_modal_projector", None)
+    tower = getattr(holder, "vision_model", None) or getattr(holder, "vision_tower", None)
+    if projector is None or tower is None:
+        return
+    upstream = [*tower.parameters(), *projector.parameters()]
+
+    def detach_when_frozen(module, args, output):
+        if isinstance(output, torch.Tensor) and not any(p.requires_grad for p in upstream):
+            return output.detach()
+        return output
+
+    projector.register_forward_hook(detach_when_frozen)
 
 
 # `lora_target_modules: all-linear` on a vision-language model: every linear layer of its language model.

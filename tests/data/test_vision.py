@@ -77,6 +77,51 @@ def test_labels_are_the_assistant_turns_token_by_token(tmp_path):
         assert cfg.image_token_index in ids.tolist() and cfg.image_token_index not in trained
 
 
+def test_a_frozen_vision_tower_gets_no_backward_and_the_adapters_the_same_gradients(tmp_path):
+    """LoRA on the language model: the image features leave the projector detached, so backward stops there; the
+    adapters' gradients equal those with the features requiring grad (the hook off), and an unfrozen projector
+    trains."""
+    from offload_trainer.args import DataArguments, ModelArguments
+    from offload_trainer.data import build_image_text, build_processor, data_collator
+    from offload_trainer.models import architecture_config, load_model, load_tokenizer
+
+    cfg = architecture_config("tiny-mllama")
+    margs = ModelArguments(model_config="tiny-mllama", torch_dtype="float32", lora_r=4, lora_alpha=8,
+                           lora_target_modules="all-linear")
+    tok = load_tokenizer(margs)
+    args = DataArguments(dataset_path=str(write_data(tmp_path, 2)), max_seq_length=64)
+    train, _ = build_image_text(args, config=cfg)
+    batch = data_collator(args, tok, build_processor(cfg, tok), train)([train[i] for i in range(2)])
+
+    def grads(model, hooked=True):
+        inner = model.get_base_model()
+        inner.enable_input_require_grads()  # what peft and the Trainer do for checkpointing: vision embeddings too
+        projector = inner.model.multi_modal_projector
+        if not hooked:
+            projector._forward_hooks.clear()
+        seen = []
+        projector.register_forward_hook(lambda m, i, o: seen.append(o.requires_grad))
+        model.zero_grad()
+        model(**batch).loss.backward()
+        return seen[0], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    torch.manual_seed(0)
+    model = load_model(margs)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    detached, got = grads(model)
+    model.load_state_dict(state)
+    attached, want = grads(model, hooked=False)
+    assert not detached and attached  # the hook is what stops backward at the projector
+    assert got.keys() == want.keys() and got and all("lora" in n for n in got)
+    assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in got)
+
+    torch.manual_seed(0)
+    model = load_model(margs)
+    model.get_base_model().model.multi_modal_projector.weight.requires_grad_(True)
+    flows, grad = grads(model)
+    assert flows and any("multi_modal_projector" in n for n in grad)
+
+
 @pytest.mark.parametrize("case, needle", [
     ("image-missing", "row 2: image 'nowhere.png' does not exist"),
     ("image-unreadable", "row 2: image 'broken.png' cannot be read as an image"),
