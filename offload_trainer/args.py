@@ -33,10 +33,28 @@ def optim_name(args) -> str:
     return str(getattr(args.optim, "value", args.optim))
 
 
+# `accelerate launch` asks for DeepSpeed or FSDP (its flags, or distributed_type in an accelerate config file) only
+# through these variables, which TrainingArguments and the Accelerator read in the training processes.
+LAUNCHER_ENGINES = {"ACCELERATE_USE_DEEPSPEED": "DEEPSPEED", "ACCELERATE_USE_FSDP": "FSDP"}
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 def offload_conflict(args) -> str | None:
-    """Why `offload_optimizer` cannot run with these arguments (DeepSpeed / FSDP given), or None."""
+    """Why `offload_optimizer` cannot run with these arguments or this launch (DeepSpeed / FSDP), or None."""
+    if getattr(args, "offload_optimizer", None) is False:
+        return None
     engines = [k for k in ("deepspeed", "fsdp") if getattr(args, k, None)]
-    if not engines or getattr(args, "offload_optimizer", None) is False:
+    launched = [t for var, t in LAUNCHER_ENGINES.items() if _env_true(var)]
+    if launched:
+        return (f"offload_optimizer streams the optimizer states itself and cannot run under "
+                f"{' / '.join(launched)}, which `accelerate launch` was asked for (its --use_deepspeed / --use_fsdp, "
+                f"or distributed_type: {launched[0]} in the accelerate config): launch with `accelerate launch "
+                f"--multi_gpu --num_processes N` (distributed_type: MULTI_GPU) or with one process, or set "
+                f"offload_optimizer: false to let {' / '.join(launched)} handle the optimizer")
+    if not engines:
         return None
     return (f"offload_optimizer streams the optimizer states itself and cannot run under {' / '.join(engines)} "
             f"(which shard or offload them their own way): remove {', '.join(engines)}, or set "

@@ -237,13 +237,13 @@ class OffloadMixin:
                  and model.training and torch.is_grad_enabled() and self._check_nonfinite)
         if guard and self._skip_step:  # a micro-batch of this step was non-finite: the whole step is skipped
             return torch.full((), float("nan"), device=self.args.device, requires_grad=True)
-        loss = self._compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss = self._offload_loss(model, inputs, return_outputs, num_items_in_batch)
         if guard and not self._offload_opt.all_finite(loss):
             self._nonfinite_step()
             return torch.full((), float("nan"), device=loss.device, requires_grad=True)  # no backward into the model
         return loss
 
-    def _compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    def _offload_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunk = self._flag("loss_chunk_size")
         parts = _head_and_decoder(self.accelerator.unwrap_model(model)) if chunk else None
         if chunk and parts is None and self.args.use_liger_kernel and not self._said_liger:

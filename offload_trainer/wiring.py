@@ -32,8 +32,12 @@ def make_plan(trainer) -> None:
     # no cap given: plan for the card (its free memory and what the model already holds), so the switches left
     # unset (gradient and activation offload, layer swap, states kept on the GPU) suit it
     gpu_gb = getattr(trainer.args, "gpu_memory_limit_gb", None) or gpu_budget_gib(Machine().cuda_context_gib)
+    others = reference_model_gib(trainer)
+    if others:
+        logger.info("plan: the reference model holds %.2f GiB of the GPU beside the trained one", others)
     try:
-        trainer._plan = plan_from_args(trainer.args, config, seq, gpu_gb=gpu_gb, lora_params=lora, weight_bits=bits)
+        trainer._plan = plan_from_args(trainer.args, config, seq, gpu_gb=gpu_gb, lora_params=lora, weight_bits=bits,
+                                       other_models_gib=others)
     except (AttributeError, TypeError) as e:  # not a decoder-only LM config the planner knows
         logger.info("no plan: %s", e if isinstance(e, PlanError) else "the model's config has no shape the "
                     "planner reads")
@@ -45,6 +49,18 @@ def make_plan(trainer) -> None:
             logger.warning("the planner finds no plan that fits this GPU (%.1f GiB): %s", gpu_gb, e)
         return
     logger.info("plan:\n%s", trainer._plan.table())
+
+
+def reference_model_gib(trainer) -> float:
+    """GiB of a frozen model the trainer also runs on the GPU: TRL's `ref_model` (DPO, KTO; None with PEFT, whose
+    disabled adapters give the reference)."""
+    import torch
+
+    ref = getattr(trainer, "ref_model", None)
+    if not isinstance(ref, torch.nn.Module) or ref is trainer.model:
+        return 0.0
+    tensors = [*ref.parameters(), *ref.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
 
 
 def longest_row(trainer) -> int | None:

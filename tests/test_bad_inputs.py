@@ -218,13 +218,13 @@ def test_nonfinite_steps(tmp_path, capsys):
     from offload_trainer import trainer as trainer_mod
 
     case = Case(tmp_path, "max_steps: 10\nmax_nonfinite_steps: 3\nsave_steps: 100\n")
-    real = trainer_mod.OffloadMixin._compute_loss
+    real = trainer_mod.OffloadMixin._offload_loss
 
     def nan_loss(self, *a, **k):
         return real(self, *a, **k) * float("nan")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(trainer_mod.OffloadMixin, "_compute_loss", nan_loss)
+        mp.setattr(trainer_mod.OffloadMixin, "_offload_loss", nan_loss)
         rc, err = case.run(capsys)
     assert rc == 3
     assert "stopped: 3 optimizer steps in a row had a non-finite loss" in err

@@ -18,15 +18,19 @@ SAVE_SHARD_BYTES = 2 * 10**9
 
 def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_gb: float | None = None,
                    model_args=None, lora_params: int | None = None, weight_bits: int | None = None,
-                   ranks: int | None = None) -> Plan:
+                   ranks: int | None = None, other_models_gib: float = 0.0) -> Plan:
     """The planner for a TrainingArguments-like object and a model config (raises PlanError).
     `gpu_gb`: the GPU budget when `gpu_memory_limit_gb` is unset (e.g. the card's free memory).
     `model_args`: its `lora_r`, `lora_target_modules` and `load_in_4bit` select LoRA / QLoRA.
+    `other_models_gib`: GPU memory of models that only run forward beside the trained one (TRL's reference model),
+    taken off the budget.
     `ranks`: data parallel processes on this node (default: the launcher's, from `args.world_size` and
     LOCAL_WORLD_SIZE; one process sees one GPU). The host peak includes a save's shard (`SAVE_SHARD_BYTES`, or the
     bf16 weights when smaller; with LoRA too: checkpoints hold the adapters, but `offload-trainer train` also writes
     the merged model)."""
     gpu = getattr(args, "gpu_memory_limit_gb", None) or gpu_gb
+    if gpu and other_models_gib:
+        gpu -= other_models_gib
     shape = ModelShape.from_config(config)
     r = getattr(model_args, "lora_r", 0) or 0
     lora = shape.lora_params(r, getattr(model_args, "lora_target_modules", "all-linear")) if r else 0

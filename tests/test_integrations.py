@@ -1,0 +1,86 @@
+"""Where fine-tuners already work: the Trainer's experiment trackers receive our per-step figures, `accelerate launch`
+runs what torchrun runs, and a DeepSpeed / FSDP launch is refused with the switch to turn off."""
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from cli_cases import stderr_of
+from offload_trainer import cli
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+# Our figures in a training log (run_logs.add_run_figures); on a GPU also gpu_peak_gib, pcie_gb_per_s,
+# host_pinned_gib and gpu_stall_ms, from the same dict.
+OURS = {"tok_per_s", "host_rss_gib", "gpu_peak_gib", "host_pinned_gib", "pcie_gb_per_s", "gpu_stall_ms",
+        "nonfinite_skipped"}
+
+
+def test_tensorboard_receives_the_run_figures_as_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    assert cli.main(["train", "configs/tiny-cpu.yaml", f"output_dir={out}", "max_steps=4", "logging_steps=2",
+                     "save_strategy=no", "eval_fraction=0", "report_to=tensorboard"]) == 0
+    # (transformers 5 writes under output_dir/runs/<time>; its logging_dir argument is gone)
+    events = [os.path.join(d, f) for d, _, fs in os.walk(out / "runs") for f in fs if "tfevents" in f]
+    assert events, "no TensorBoard event file written"
+    acc = EventAccumulator(os.path.dirname(events[0]))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    logged = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    ours = OURS & set(logged[0])
+    assert {"tok_per_s", "host_rss_gib"} <= ours  # (what a CPU run logs)
+    assert {"train/loss", *(f"train/{k}" for k in ours)} <= tags, sorted(tags)
+    steps = [e.step for e in acc.Scalars("train/tok_per_s")]
+    assert steps == [h["step"] for h in logged] == [2, 4]
+    assert [e.value for e in acc.Scalars("train/tok_per_s")] == pytest.approx([h["tok_per_s"] for h in logged])
+
+
+def test_accelerate_launch_two_processes_matches_one_process_accumulating(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2 -m offload_trainer.cli train ...` (its torch.distributed
+    launcher; gloo on a CPU machine) trains the same losses as one process accumulating the same global batch, each
+    rank holding its share of the states, as under torchrun."""
+    from test_distributed import KEYS, _losses
+
+    keys = [k for k in KEYS if not k.startswith("save_steps")] + ["save_strategy=no"]
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    line = re.search(r"^accelerate launch .*$", readme, re.M).group(0)  # the README's own command
+    argv = shlex.split(line)[2:]
+    # (the launcher's remaining questions answered as `accelerate config` would; a free port for parallel runs)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_machines", "1", "--mixed_precision", "no",
+           "--dynamo_backend", "no", "--main_process_port", "0", *argv, f"output_dir={tmp_path / 'two'}", *keys]
+    r = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "data parallel over 2 ranks" in r.stderr
+    assert cli.main(["train", "configs/tiny-cpu.yaml", f"output_dir={tmp_path / 'one'}", *keys,
+                     "gradient_accumulation_steps=2"]) == 0
+    want = _losses(tmp_path / "one")
+    assert _losses(tmp_path / "two") == want and len(want) == 6
+
+
+@pytest.mark.parametrize("var, engine", [("ACCELERATE_USE_DEEPSPEED", "DEEPSPEED"), ("ACCELERATE_USE_FSDP", "FSDP")])
+def test_accelerate_launch_with_deepspeed_or_fsdp_is_refused_naming_the_launch_to_use(var, engine, tmp_path,
+                                                                                       monkeypatch, capsys):
+    """What `accelerate launch --use_deepspeed / --use_fsdp` (or such an accelerate config) sets in the processes:
+    a sentence before any weight is loaded, from the command and from a script's Trainer alike."""
+    monkeypatch.setenv(var, "true")
+    rc = cli.main(["train", "configs/tiny-cpu.yaml", f"output_dir={tmp_path / 'out'}", "max_steps=1"])
+    err = stderr_of(capsys)
+    assert rc != 0 and f"cannot run under {engine}" in err and "accelerate launch --multi_gpu" in err, err[-2000:]
+    assert "offload_optimizer: false" in err and not (tmp_path / "out").exists()
+    if engine == "FSDP":  # (TrainingArguments under DeepSpeed's variable needs DeepSpeed installed)
+        from transformers import TrainingArguments
+
+        from helpers import tiny_setup
+        from offload_trainer import OffloadTrainer
+        from offload_trainer.config import ConfigError
+
+        model, _, train = tiny_setup()
+        with pytest.raises(ConfigError, match="cannot run under FSDP"):
+            OffloadTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "s"), report_to="none"),
+                           train_dataset=train)
