@@ -344,8 +344,9 @@ def test_gpu_logs_show_pcie_pinned_and_stall_with_layer_swap(tmp_path):
 
 
 def test_without_a_cap_the_plan_is_for_the_gpus_own_memory(monkeypatch):
-    """No gpu_memory_limit_gb: on a GPU the planner plans for its free memory plus what this process already holds
-    (and the CUDA context, which the planner takes off again); without CUDA there is no budget."""
+    """No gpu_memory_limit_gb: on a GPU the planner plans for its free memory plus what this process already holds,
+    less what libraries take once training starts (and plus the CUDA context, which the planner takes off again);
+    without CUDA there is no budget."""
     from offload_trainer import sysinfo
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -353,7 +354,8 @@ def test_without_a_cap_the_plan_is_for_the_gpus_own_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (20 * 2**30, 24 * 2**30))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a: 3 * 2**30)
-    assert sysinfo.gpu_budget_gib(0.7) == pytest.approx(23.7)
+    assert sysinfo.gpu_budget_gib(0.7) == pytest.approx(23.7 - sysinfo.LATER_LIBRARIES_GIB)
+    assert sysinfo.LATER_LIBRARIES_GIB == pytest.approx(0.4)
 
 
 @pytest.mark.gpu

@@ -1,0 +1,97 @@
+"""axolotl plugin: `plugins: [offload_trainer.integrations.axolotl.OffloadPlugin]` in an axolotl YAML, plus our keys
+(`offload_optimizer`, `layer_swap`, `activation_offload`, ...; `offload-trainer keys` lists them) beside axolotl's.
+
+Through axolotl's plugin API (`axolotl.integrations.base.BasePlugin`): our keys join axolotl's config schema
+(`get_input_args`) and its training arguments (`get_training_args_mixin`, `get_training_args`), and the trainer
+axolotl builds gets the offload wiring (`get_trainer_cls`: `OffloadMixin` before axolotl's own `AxolotlTrainer`).
+axolotl's own offloading (DeepSpeed / FSDP offload, `activation_offloading`, `layer_offloading`, gradient
+checkpointing to CPU) would move the same tensors a second way: the config is refused, naming what to turn off.
+Needs `pip install 'offload-trainer[axolotl]'` (axolotl pins its own transformers / peft / trl / datasets: use a
+virtual environment of its own).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from typing import Any, Optional
+
+from axolotl.integrations.base import BasePlugin
+from pydantic import BaseModel, model_validator
+
+from ..args import OffloadFields
+
+__all__ = ["OffloadArgs", "OffloadPlugin"]
+
+# Our fields that axolotl's config already has under its own name (the Trainer's checkpointing switch).
+_AXOLOTL_HAS = {"activation_checkpointing", "overwrite_output_dir"}
+KEYS = tuple(f.name for f in dataclasses.fields(OffloadFields) if f.name not in _AXOLOTL_HAS)
+
+# axolotl switch -> (the value that clashes, what to use instead)
+_CLASHES = {
+    "deepspeed": "remove deepspeed: the plugin streams the optimizer states itself (or remove the plugin)",
+    "fsdp": "remove fsdp: the plugin streams the optimizer states itself (or remove the plugin)",
+    "fsdp_config": "remove fsdp_config: the plugin streams the optimizer states itself (or remove the plugin)",
+    "activation_offloading": "remove activation_offloading (axolotl's); ours is activation_offload: true",
+    "layer_offloading": "remove layer_offloading (axolotl's); ours is layer_swap: auto",
+}
+
+
+def _clashes(data: dict) -> list[str]:
+    found = [f"{k}: {fix}" for k, fix in _CLASHES.items() if data.get(k)]
+    if data.get("gradient_checkpointing") in ("offload", "offload_disk"):
+        found.append(f"gradient_checkpointing: {data['gradient_checkpointing']} offloads the checkpoints axolotl's way: "
+                     "use gradient_checkpointing: true with activation_offload: true")
+    if data.get("rl"):
+        found.append(f"rl: {data['rl']}: the plugin wires axolotl's SFT trainer only; for DPO use OffloadDPOTrainer "
+                     "from Python (offload_trainer.trl)")
+    return found
+
+
+class _NoOtherOffload(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def no_other_offloading(cls, data):
+        found = _clashes(data) if isinstance(data, dict) else []
+        if found:
+            raise ValueError("offload_trainer's plugin cannot run with: " + "; ".join(found))
+        return data
+
+
+def _input_model() -> type[BaseModel]:
+    """Our keys as axolotl config fields (None: not given, the Trainer-side default applies), typed as our
+    dataclass types them, so axolotl checks their values when it reads the YAML."""
+    from pydantic import create_model
+
+    hints = typing.get_type_hints(OffloadFields)
+    return create_model("OffloadArgs", __base__=_NoOtherOffload,
+                        **{k: (Optional[hints[k]], None) for k in KEYS})  # type: ignore[call-overload]
+
+
+OffloadArgs = _input_model()
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer_cls() -> type:
+    from axolotl.core.trainers.base import AxolotlTrainer
+
+    from ..trainer import OffloadMixin
+
+    return type("OffloadAxolotlTrainer", (OffloadMixin, AxolotlTrainer),
+                {"__doc__": "axolotl's AxolotlTrainer with the offload wiring (offload_trainer's axolotl plugin)."})
+
+
+class OffloadPlugin(BasePlugin):
+    """axolotl plugin: the offload wiring on axolotl's SFT trainer."""
+
+    def get_input_args(self) -> str:
+        return "offload_trainer.integrations.axolotl.OffloadArgs"
+
+    def get_training_args_mixin(self) -> str:
+        return "offload_trainer.args.OffloadFields"
+
+    def get_training_args(self, cfg) -> dict[str, Any]:
+        return {k: cfg[k] for k in KEYS if cfg.get(k) is not None}
+
+    def get_trainer_cls(self, cfg):
+        return _trainer_cls()

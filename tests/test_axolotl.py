@@ -1,0 +1,117 @@
+"""The axolotl plugin, against axolotl itself: `plugins: [offload_trainer.integrations.axolotl.OffloadPlugin]` in an
+axolotl YAML trains through axolotl's own config loading, datasets and trainer builder, with the offload wiring on
+axolotl's trainer; its own offloading switches are refused by name.
+
+axolotl pins its own transformers / peft / trl / datasets / torchao, so it lives in a virtual environment of its own
+(README, "Use it from axolotl") and these tests skip elsewhere:
+    .venv-axolotl/bin/python -m pytest -q -m axolotl tests/test_axolotl.py
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("axolotl", reason="axolotl lives in its own venv: pip install 'offload-trainer[axolotl]'")
+
+pytestmark = pytest.mark.axolotl
+
+PLUGIN = "offload_trainer.integrations.axolotl.OffloadPlugin"
+
+# What axolotl's `axolotl train CONFIG` runs (axolotl.cli.train.do_train), in a process of its own (axolotl's plugin
+# manager is a process-wide singleton), reporting what it built.
+RUN = """
+import json, sys
+from axolotl.cli.config import load_cfg
+from axolotl.common.datasets import load_datasets
+from axolotl.train import train
+cfg = load_cfg(sys.argv[1])
+model, tok, trainer = train(cfg=cfg, dataset_meta=load_datasets(cfg=cfg))
+print("RESULT " + json.dumps({
+    "trainer": [c.__name__ for c in type(trainer).__mro__],
+    "optimizer": type(getattr(trainer, "_offload_opt", None)).__name__,
+    "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h]}))
+"""
+
+
+def readme_plugin_lines() -> dict:
+    """The README's axolotl YAML (the lines a user adds), as a dict."""
+    import re
+
+    import yaml
+
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    return yaml.safe_load(re.search(r"```yaml axolotl\n(.*?)```", readme, re.S).group(1))
+
+
+def write_case(tmp_path, plugin=True, **extra):
+    import sys as _sys
+
+    _sys.path.insert(0, os.path.dirname(__file__))
+    from helpers import tiny_setup
+
+    base = tmp_path / "base"
+    if not base.exists():
+        model, tok, _ = tiny_setup(seed=0)
+        model.save_pretrained(base)
+        tok.save_pretrained(base)
+        rows = [{"instruction": f"What is {a} plus {b}?", "input": "", "output": f"{a} plus {b} is {a + b}."}
+                for a in range(8) for b in range(8)]
+        (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    name = "with" if plugin else "without"
+    cfg = {"base_model": str(base),
+           "datasets": [{"path": str(tmp_path / "data.jsonl"), "ds_type": "json", "type": "alpaca"}],
+           "dataset_prepared_path": str(tmp_path / f"prepared-{name}"), "val_set_size": 0, "sequence_len": 256,
+           "micro_batch_size": 4, "gradient_accumulation_steps": 1, "max_steps": 6, "learning_rate": 0.003,
+           "optimizer": "adamw_torch", "lr_scheduler": "constant", "output_dir": str(tmp_path / f"out-{name}"),
+           "logging_steps": 1, "save_strategy": "no", "bf16": False, "fp16": False, "tf32": False, "seed": 42,
+           **(readme_plugin_lines() if plugin else {}), **extra}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(json.dumps(cfg))  # (JSON is YAML)
+    return path
+
+
+def run(cfg_path):
+    env = {**os.environ, "AXOLOTL_DO_NOT_TRACK": "1", "DO_NOT_TRACK": "1", "OMP_NUM_THREADS": "2"}
+    r = subprocess.run([sys.executable, "-c", RUN, str(cfg_path)], capture_output=True, text=True, timeout=900,
+                       env=env, cwd=os.path.dirname(cfg_path))
+    result = [line for line in r.stdout.splitlines() if line.startswith("RESULT ")]
+    return r, json.loads(result[0][7:]) if result else None
+
+
+def test_the_readme_lines_name_the_plugin():
+    assert readme_plugin_lines()["plugins"] == [PLUGIN]
+
+
+def test_axolotl_trains_with_the_plugin_like_without_it(tmp_path):
+    """The same axolotl config with and without the plugin: with it, axolotl's trainer carries the offload wiring and
+    streams 8-bit AdamW; the first step's loss is the same (same weights, data and seed), and the course close
+    (8-bit streamed AdamW against torch's fp32 AdamW)."""
+    r, ours = run(write_case(tmp_path))
+    assert ours, r.stderr[-4000:]
+    _, theirs = run(write_case(tmp_path, plugin=False))
+    assert theirs
+    assert ours["trainer"][:3] == ["OffloadAxolotlTrainer", "OffloadMixin", "AxolotlTrainer"]
+    assert ours["optimizer"] == "StreamedAdamW8bit" and theirs["trainer"][0] == "AxolotlTrainer"
+    got, want = ours["losses"], theirs["losses"]
+    print("with the plugin", got, "\nwithout", want)
+    assert len(got) == len(want) == 6
+    assert got[0] == pytest.approx(want[0], abs=1e-4)
+    assert max(abs(a - b) / b for a, b in zip(got, want)) < 0.05
+    assert got[-1] < 0.8 * got[0]
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ({"activation_offloading": True}, "remove activation_offloading (axolotl's); ours is activation_offload: true"),
+    ({"layer_offloading": True}, "remove layer_offloading (axolotl's); ours is layer_swap: auto"),
+    ({"gradient_checkpointing": "offload"}, "use gradient_checkpointing: true with activation_offload: true"),
+    ({"deepspeed": "zero2.json"}, "remove deepspeed"),
+    ({"rl": "dpo"}, "for DPO use OffloadDPOTrainer"),
+])
+def test_axolotl_offloading_of_its_own_is_refused_by_name(tmp_path, extra, needle):
+    from axolotl.cli.config import load_cfg
+
+    with pytest.raises(Exception, match="offload_trainer's plugin cannot run with") as e:
+        load_cfg(str(write_case(tmp_path, **extra)))
+    assert needle in str(e.value)
