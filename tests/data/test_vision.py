@@ -77,6 +77,19 @@ def test_labels_are_the_assistant_turns_token_by_token(tmp_path):
         assert cfg.image_token_index in ids.tolist() and cfg.image_token_index not in trained
 
 
+def test_full_finetune_with_layer_swap_and_activation_offload(tmp_path, capsys):
+    """The 11B-Vision config's path at tiny size: every weight trains (streamed 8-bit AdamW), decoder layers swapped,
+    layer inputs offloaded."""
+    cfg = config(tmp_path, write_data(tmp_path), layer_swap=2, activation_checkpointing=True,
+                 activation_offload=True, max_grad_norm=0.0, max_steps=4, logging_steps=2)
+    rc, err = train(tmp_path, capsys, cfg)
+    assert rc == 0, err[-3000:]
+    assert "layer swap" in err.lower() and "8-bit states" in err, err[-3000:]
+    losses = [h["loss"] for h in json.loads((tmp_path / "out" / "trainer_state.json").read_text())["log_history"]
+              if "loss" in h]
+    assert len(losses) == 2 and losses[1] < losses[0], losses
+
+
 def test_a_frozen_vision_tower_gets_no_backward_and_the_adapters_the_same_gradients(tmp_path):
     """LoRA on the language model: the image features leave the projector detached, so backward stops there; the
     adapters' gradients equal those with the features requiring grad (the hook off), and an unfrozen projector
