@@ -3,6 +3,7 @@ random init (benchmarks and tests need no download)."""
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import weakref
 from importlib import resources
@@ -205,27 +206,30 @@ def load_model(model_args, *, layerwise: bool = False,
 
 
 def no_backward_into_a_frozen_vision_tower(model: torch.nn.Module) -> None:
-    """While nothing in the vision tower or its projector trains, the image features leave the projector detached.
+    """While nothing in the vision tower trains, it runs without autograd: no graph recorded, no backward into it.
 
     Hooks that make inputs require grad (peft's and the Trainer's `enable_input_require_grads`, for checkpointing
-    with frozen embeddings) reach the vision embeddings too, so the cross-attention states required grad and every
-    backward ran, and recomputed under checkpointing, the whole frozen vision encoder for gradients nothing reads.
-    Values and the trained parameters' gradients are unchanged; unfreeze a vision parameter and its gradient flows.
+    with frozen embeddings) reach the vision embeddings too, so the tower recorded its whole graph (its saved
+    tensors held through the step) and every backward ran through it for gradients nothing reads. Values and the
+    trained parameters' gradients are unchanged (the projector still trains when unfrozen); unfreeze a tower
+    parameter and autograd comes back.
     """
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     holder = getattr(inner, "model", inner)
-    projector = getattr(holder, "multi_modal_projector", None)
     tower = getattr(holder, "vision_model", None) or getattr(holder, "vision_tower", None)
-    if projector is None or tower is None:
+    if tower is None:
         return
-    upstream = [*tower.parameters(), *projector.parameters()]
+    params = list(tower.parameters())
+    forward = tower.forward
 
-    def detach_when_frozen(module, args, output):
-        if isinstance(output, torch.Tensor) and not any(p.requires_grad for p in upstream):
-            return output.detach()
-        return output
+    @functools.wraps(forward)
+    def forward_frozen(*args, **kwargs):
+        if any(p.requires_grad for p in params):
+            return forward(*args, **kwargs)
+        with torch.no_grad():
+            return forward(*args, **kwargs)
 
-    projector.register_forward_hook(detach_when_frozen)
+    tower.forward = forward_frozen  # (an instance attribute: the module's hooks still run around it)
 
 
 # `lora_target_modules: all-linear` on a vision-language model: every linear layer of its language model.

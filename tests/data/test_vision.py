@@ -90,10 +90,10 @@ def test_full_finetune_with_layer_swap_and_activation_offload(tmp_path, capsys):
     assert len(losses) == 2 and losses[1] < losses[0], losses
 
 
-def test_a_frozen_vision_tower_gets_no_backward_and_the_adapters_the_same_gradients(tmp_path):
-    """LoRA on the language model: the image features leave the projector detached, so backward stops there; the
-    adapters' gradients equal those with the features requiring grad (the hook off), and an unfrozen projector
-    trains."""
+def test_a_frozen_vision_tower_records_no_graph_and_the_adapters_the_same_gradients(tmp_path):
+    """LoRA on the language model: the frozen vision tower runs without autograd (nothing saved for backward, the image
+    features need no grad), and the adapters' gradients equal those of the tower run with autograd (as
+    enable_input_require_grads made it); an unfrozen projector, or tower, still trains."""
     from offload_trainer.args import DataArguments, ModelArguments
     from offload_trainer.data import build_image_text, build_processor, data_collator
     from offload_trainer.models import architecture_config, load_model, load_tokenizer
@@ -106,33 +106,44 @@ def test_a_frozen_vision_tower_gets_no_backward_and_the_adapters_the_same_gradie
     train, _ = build_image_text(args, config=cfg)
     batch = data_collator(args, tok, build_processor(cfg, tok), train)([train[i] for i in range(2)])
 
-    def grads(model, hooked=True):
+    def grads(model, frozen_path=True):
         inner = model.get_base_model()
         inner.enable_input_require_grads()  # what peft and the Trainer do for checkpointing: vision embeddings too
-        projector = inner.model.multi_modal_projector
-        if not hooked:
-            projector._forward_hooks.clear()
-        seen = []
-        projector.register_forward_hook(lambda m, i, o: seen.append(o.requires_grad))
+        tower = inner.model.vision_model
+        if not frozen_path:
+            del tower.forward  # (the class's forward: autograd on, as before)
+        saved, features = [], []
+        inner.model.multi_modal_projector.register_forward_hook(lambda m, i, o: features.append(o.requires_grad))
+
+        def pack(t):
+            saved.append(t.numel())
+            return t
+
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        tower.register_forward_pre_hook(lambda *a: hooks.__enter__())
+        tower.register_forward_hook(lambda *a: hooks.__exit__(None, None, None))
         model.zero_grad()
         model(**batch).loss.backward()
-        return seen[0], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return sum(saved), features[0], {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
     torch.manual_seed(0)
     model = load_model(margs)
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    detached, got = grads(model)
+    saved, needs_grad, got = grads(model)
     model.load_state_dict(state)
-    attached, want = grads(model, hooked=False)
-    assert not detached and attached  # the hook is what stops backward at the projector
+    saved_before, needed_before, want = grads(model, frozen_path=False)
+    assert saved == 0 and not needs_grad  # nothing recorded in the tower
+    assert saved_before > 0 and needed_before  # what enable_input_require_grads made of it
     assert got.keys() == want.keys() and got and all("lora" in n for n in got)
     assert all(torch.allclose(got[n], want[n], atol=1e-6) for n in got)
 
-    torch.manual_seed(0)
-    model = load_model(margs)
-    model.get_base_model().model.multi_modal_projector.weight.requires_grad_(True)
-    flows, grad = grads(model)
-    assert flows and any("multi_modal_projector" in n for n in grad)
+    for part in ("multi_modal_projector", "vision_model"):
+        torch.manual_seed(0)
+        model = load_model(margs)
+        module = getattr(model.get_base_model().model, part)
+        next(module.parameters()).requires_grad_(True)
+        _, _, grad = grads(model)
+        assert any(part in n for n in grad), part
 
 
 @pytest.mark.parametrize("case, needle", [
