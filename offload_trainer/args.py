@@ -38,16 +38,14 @@ def optim_name(args) -> str:
 LAUNCHER_ENGINES = {"ACCELERATE_USE_DEEPSPEED": "DEEPSPEED", "ACCELERATE_USE_FSDP": "FSDP"}
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def offload_conflict(args) -> str | None:
     """Why `offload_optimizer` cannot run with these arguments or this launch (DeepSpeed / FSDP), or None."""
     if getattr(args, "offload_optimizer", None) is False:
         return None
     engines = [k for k in ("deepspeed", "fsdp") if getattr(args, k, None)]
-    launched = [t for var, t in LAUNCHER_ENGINES.items() if _env_true(var)]
+    from accelerate.utils import parse_flag_from_env  # (read as accelerate reads them)
+
+    launched = [t for var, t in LAUNCHER_ENGINES.items() if parse_flag_from_env(var)]
     if launched:
         return (f"offload_optimizer streams the optimizer states itself and cannot run under "
                 f"{' / '.join(launched)}, which `accelerate launch` was asked for (its --use_deepspeed / --use_fsdp, "

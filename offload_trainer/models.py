@@ -11,6 +11,14 @@ from typing import Any
 
 import torch
 
+# Shared by the Llama-3.2 Vision sizes (90B, 11B): Llama-3.1's long-context RoPE and the 40-layer vision encoder.
+# (architecture_config deep-copies an entry before use.)
+_LLAMA31_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                     original_max_position_embeddings=8192)
+_LLAMA32_VISION_ENCODER = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_global_layers=8,
+                               attention_heads=16, image_size=560, patch_size=14, max_num_tiles=4,
+                               vision_output_dim=7680, intermediate_layers_indices=[3, 7, 15, 23, 30])
+
 # Shapes of real models (from their published configs), for random-init benchmarks and the planner.
 ARCHITECTURES: dict[str, dict[str, Any]] = {
     "tiny-llama": dict(model_type="llama", hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -37,26 +45,18 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
         model_type="mllama",
         text_config=dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=100, num_attention_heads=64,
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
-                                              low_freq_factor=1.0, high_freq_factor=4.0,
-                                              original_max_position_embeddings=8192),
+                         rope_parameters=_LLAMA31_ROPE,
                          cross_attention_layers=list(range(3, 100, 5)), tie_word_embeddings=False),
-        vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_global_layers=8,
-                           attention_heads=16, image_size=560, patch_size=14, max_num_tiles=4,
-                           vision_output_dim=7680, intermediate_layers_indices=[3, 7, 15, 23, 30])),
+        vision_config=_LLAMA32_VISION_ENCODER),
     # Llama-3.2-11B-Vision: Llama-3.1-8B's 32 self-attention layers with 8 cross-attention layers among them (40),
     # and the same vision encoder as the 90B.
     "llama3.2-11b-vision": dict(
         model_type="mllama",
         text_config=dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0,
-                                              low_freq_factor=1.0, high_freq_factor=4.0,
-                                              original_max_position_embeddings=8192),
+                         rope_parameters=_LLAMA31_ROPE,
                          cross_attention_layers=list(range(3, 40, 5)), tie_word_embeddings=False),
-        vision_config=dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32, num_global_layers=8,
-                           attention_heads=16, image_size=560, patch_size=14, max_num_tiles=4,
-                           vision_output_dim=7680, intermediate_layers_indices=[3, 7, 15, 23, 30])),
+        vision_config=_LLAMA32_VISION_ENCODER),
     # the same structure, small enough for CPU tests
     "tiny-mllama": dict(
         model_type="mllama",
@@ -205,6 +205,11 @@ def load_model(model_args, *, layerwise: bool = False,
     return model
 
 
+def base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model under a peft wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def no_backward_into_a_frozen_vision_tower(model: torch.nn.Module) -> None:
     """While nothing in the vision tower trains, it runs without autograd: no graph recorded, no backward into it.
 
@@ -214,7 +219,7 @@ def no_backward_into_a_frozen_vision_tower(model: torch.nn.Module) -> None:
     trained parameters' gradients are unchanged (the projector still trains when unfrozen); unfreeze a tower
     parameter and autograd comes back.
     """
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base_model(model)
     holder = getattr(inner, "model", inner)
     tower = getattr(holder, "vision_model", None) or getattr(holder, "vision_tower", None)
     if tower is None:

@@ -24,6 +24,7 @@ from .args import (OffloadFields, OffloadTrainingArguments, checkpointing_on, of
                    streams_optimizer)
 from .config import ConfigError
 from .loss import chunked_causal_lm_loss
+from .models import base_model
 from .optim import StreamedAdamW8bit
 from .outputs import OutputLock, check_output_dir, staged_save
 from .planner import SAVE_SHARD_BYTES, Plan
@@ -61,7 +62,7 @@ def _liger_computes_loss(model: nn.Module) -> bool:
 
 def _head_and_decoder(model: nn.Module):
     """(decoder, lm_head) when the chunked loss can reproduce the model's own loss exactly, else None."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base_model(model)
     if _liger_computes_loss(inner):
         return None
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
@@ -246,7 +247,8 @@ class OffloadMixin:
     def _offload_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunk = self._flag("loss_chunk_size")
         parts = _head_and_decoder(self.accelerator.unwrap_model(model)) if chunk else None
-        if chunk and parts is None and self.args.use_liger_kernel and not self._said_liger:
+        if chunk and parts is None and not self._said_liger and _liger_computes_loss(
+                base_model(self.accelerator.unwrap_model(model))):
             self._said_liger = True
             logger.info("use_liger_kernel: Liger's fused linear cross-entropy computes the loss (it keeps no full "
                         "logits either); loss_chunk_size steps aside")

@@ -7,6 +7,7 @@ import logging
 
 from .config import ConfigError
 from .distributed import Sharding
+from .models import base_model
 from .optim import StreamedAdamW8bit
 from .planner import Machine, PlanError, device_state_setting, layer_swap_setting, plan_from_args
 from .seams import claim_device_map
@@ -24,7 +25,7 @@ def make_plan(trainer) -> None:
     if not getattr(trainer.args, "gpu_memory_limit_gb", None) and trainer.args.device.type != "cuda":
         return  # (a plan is of GPU memory, PCIe traffic and GPU step time: none applies on a CPU)
     lora = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad) if peft else 0
-    bits = 4 if getattr(trainer.model.get_base_model() if peft else trainer.model, "is_loaded_in_4bit", False) else 16
+    bits = 4 if getattr(base_model(trainer.model), "is_loaded_in_4bit", False) else 16
     config = getattr(trainer.model, "config", None)
     seq = longest_row(trainer)
     if config is None or not seq:
@@ -95,7 +96,7 @@ def install_layer_swap(trainer) -> None:
         raise ConfigError("layer_swap places the layers of the model the Trainer is built with, but model_init "
                           "builds a new model at every train(): pass model=... instead of model_init")
     model = trainer.model
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    inner = base_model(model)
     layers = decoder_layers(inner)
     if layers is None:
         raise ConfigError("layer_swap needs a model whose decoder layers are an nn.ModuleList (every HF causal LM)")

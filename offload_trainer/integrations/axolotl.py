@@ -27,11 +27,10 @@ __all__ = ["OffloadArgs", "OffloadPlugin"]
 _AXOLOTL_HAS = {"activation_checkpointing", "overwrite_output_dir"}
 KEYS = tuple(f.name for f in dataclasses.fields(OffloadFields) if f.name not in _AXOLOTL_HAS)
 
-# axolotl switch -> (the value that clashes, what to use instead)
+# axolotl switch (refused when set) -> what to do instead
 _CLASHES = {
-    "deepspeed": "remove deepspeed: the plugin streams the optimizer states itself (or remove the plugin)",
-    "fsdp": "remove fsdp: the plugin streams the optimizer states itself (or remove the plugin)",
-    "fsdp_config": "remove fsdp_config: the plugin streams the optimizer states itself (or remove the plugin)",
+    **{k: f"remove {k}: the plugin streams the optimizer states itself (or remove the plugin)"
+       for k in ("deepspeed", "fsdp", "fsdp_config")},
     "activation_offloading": "remove activation_offloading (axolotl's); ours is activation_offload: true",
     "layer_offloading": "remove layer_offloading (axolotl's); ours is layer_swap: auto",
 }
