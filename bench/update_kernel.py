@@ -3,9 +3,8 @@
     python bench/update_kernel.py [--numel 25165824] [--iters 20] [--out rows.jsonl]
 
 The states are on the GPU already (no PCIe): this times only the update kernels, which share the GPU with backward
-when updates run during backward. Runs 20261130-s14e (commit 8cfc4ec) and -s14f (c5c226b, where the int32 quantizer
-without asserts was the default) named the variants differently: in s14f "ours" = ours_int32_no_asserts,
-"ours_asserts" = ours_int32, "ours_torchao_quant" = ours_no_asserts, "ours_torchao_quant_asserts" = ours. Variants:
+when updates run during backward. (Older rows name some variants differently: bench/results/README.md, "The update
+kernel alone".) Variants:
   ours                  offload_trainer.optim.adamw8bit_chunk, compiled as the optimizer compiles it
   ours_no_asserts       without inductor's bounds asserts on the quantizer's table lookups (assert_indirect_indexing)
   ours_int32            torchao's binary-search quantizer rewritten with int32 codes (the same codes)

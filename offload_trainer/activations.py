@@ -40,7 +40,7 @@ class ActivationOffloader:
     (None: no bound). An offloaded input's GPU block is reusable only once its copy has run; the CPU queues a
     checkpointed forward far ahead of the GPU, so without a bound each layer may get a fresh block. On the H200
     the reserved GPU memory with activation offload exceeded the allocated peak by 0.45-1.2x the offloaded inputs
-    (bench/results/README.md, "Fused update kernel"). With the bound at 3 (run 20261130-s16a/c, same runs): 3B at
+    (bench/results/README.md, "Fused update kernel"). With the bound at 3 (same runs): 3B at
     4 x 2048 reserved 10.97 GiB instead of 11.32, 8B at 1 x 8192 20.93 instead of 20.99; step times equal within
     0.2%. Hence the default 3.
     """

@@ -322,7 +322,8 @@ def write_outputs(trainer, tokenizer, model_args) -> None:
                    "(a random-init base has no checkpoint to merge into)")
             logger.info("QLoRA: the adapters are in %s. No merged model is written: merging into the NF4 weights "
                         "would round the update away. To merge %s", args.output_dir, how)
-        elif model_args.lora_r:  # a merged model that plain transformers loads goes to out/merged
+        elif model_args.lora_r and args.should_save:  # a merged model plain transformers loads: out/merged (one
+            # process writes it: under torchrun every rank would share one staging directory)
             merged = os.path.join(args.output_dir, "merged")
             with staged_save(merged, "the merged model") as staging:
                 trainer.model.merge_and_unload().save_pretrained(staging, max_shard_size=SAVE_SHARD_BYTES)
@@ -350,10 +351,11 @@ def write_plots(output_dir: str) -> None:
 def use_expandable_segments() -> None:
     """The CUDA allocator with expandable segments, unless the user set PYTORCH_CUDA_ALLOC_CONF. Measured through
     `offload-trainer train` (8B, 24 GiB cap, H200): the same speed and 1.2 GiB less reserved than the default
-    allocator (21.85 vs 23.06 GiB), room a 24 GiB card needs. Setting the variable here was not enough (run s20c:
-    23.06 GiB reserved, as with the default): torch is imported, and may have read it, before this runs. So the
-    running allocator is told as well; the variable stays set for child processes."""
-    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ:
+    allocator (21.85 vs 23.06 GiB), room a 24 GiB card needs. The variable alone is not enough (measured: as much
+    reserved as with the default): torch is imported, and may have read it, before this runs. So the running
+    allocator is told as well; the variable stays set for child processes. Not under torchrun: data parallel over
+    NCCL was measured with the default allocator only."""
+    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     import torch
@@ -451,20 +453,24 @@ def main(argv: list[str] | None = None) -> int:
     quiet_other_libraries()
     # several processes (torchrun): rank 0 tells the story
     logger.setLevel(logging.WARNING if int(os.environ.get("RANK", "0")) > 0 else logging.NOTSET)
-    if args.command == "train" and int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        # (Not under torchrun: data parallel over NCCL was measured with the default allocator only.)
+    if args.command == "train":
         use_expandable_segments()
+    return exit_code_of(lambda: _run(args))
+
+
+def exit_code_of(run, prog: str = "offload-trainer") -> int:
+    """Run `run()`; what ended it said in one line on stderr, as an exit code (0: done)."""
     try:
-        _run(args)
+        run()
     except TrainingInterrupted as e:
-        print(f"offload-trainer: interrupted: {e}", file=sys.stderr)
+        print(f"{prog}: interrupted: {e}", file=sys.stderr)
         return 128 + e.signum
     except KeyboardInterrupt:
-        print("offload-trainer: interrupted (no checkpoint saved at this point)", file=sys.stderr)
+        print(f"{prog}: interrupted (no checkpoint saved at this point)", file=sys.stderr)
         return 130
     except tuple(kind for kind, _, _ in _ENDINGS) as e:
         word, code = next((w, c) for kind, w, c in _ENDINGS if isinstance(e, kind))
-        print(f"offload-trainer: {word}: {e}", file=sys.stderr)
+        print(f"{prog}: {word}: {e}", file=sys.stderr)
         return code
     return 0
 

@@ -94,7 +94,7 @@ def optimizer_not_moved(trainer):
 def loss_filter_on_device(trainer):
     """The Trainer's `logging_nan_inf_filter` (on by default) reads each micro-batch's loss on the host, in a
     Python `if`: a device sync after every backward, after which the GPU waited while the CPU ran the optimizer
-    step, the gradient norm and the log (~10 ms of a 3B step, run 20261201-s21c). While train() runs on a GPU,
+    step, the gradient norm and the log (~10 ms of a 3B step, measured). While train() runs on a GPU,
     the same filter runs on the device instead (`filtered_loss`, from training_step) and the Trainer's own is off;
     evaluate() has it back."""
     if not (trainer.args.logging_nan_inf_filter and trainer._filters_loss_on_device()):

@@ -17,6 +17,9 @@ pytest.importorskip("axolotl", reason="axolotl lives in its own venv: pip instal
 
 pytestmark = pytest.mark.axolotl
 
+sys.path.insert(0, os.path.dirname(__file__))
+from helpers import SUM_ROWS, assert_same_course, readme_yaml, save_tiny_base  # noqa: E402
+
 PLUGIN = "offload_trainer.integrations.axolotl.OffloadPlugin"
 
 # What axolotl's `axolotl train CONFIG` runs (axolotl.cli.train.do_train), in a process of its own (axolotl's plugin
@@ -37,28 +40,14 @@ print("RESULT " + json.dumps({
 
 def readme_plugin_lines() -> dict:
     """The README's axolotl YAML (the lines a user adds), as a dict."""
-    import re
-
-    import yaml
-
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    return yaml.safe_load(re.search(r"```yaml axolotl\n(.*?)```", readme, re.S).group(1))
+    return readme_yaml("axolotl")
 
 
 def write_case(tmp_path, plugin=True, **extra):
-    import sys as _sys
-
-    _sys.path.insert(0, os.path.dirname(__file__))
-    from helpers import tiny_setup
-
+    save_tiny_base(tmp_path / "base")
+    if not (tmp_path / "data.jsonl").exists():
+        (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in SUM_ROWS))
     base = tmp_path / "base"
-    if not base.exists():
-        model, tok, _ = tiny_setup(seed=0)
-        model.save_pretrained(base)
-        tok.save_pretrained(base)
-        rows = [{"instruction": f"What is {a} plus {b}?", "input": "", "output": f"{a} plus {b} is {a + b}."}
-                for a in range(8) for b in range(8)]
-        (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     name = "with" if plugin else "without"
     cfg = {"base_model": str(base),
            "datasets": [{"path": str(tmp_path / "data.jsonl"), "ds_type": "json", "type": "alpaca"}],
@@ -94,12 +83,7 @@ def test_axolotl_trains_with_the_plugin_like_without_it(tmp_path):
     assert theirs
     assert ours["trainer"][:3] == ["OffloadAxolotlTrainer", "OffloadMixin", "AxolotlTrainer"]
     assert ours["optimizer"] == "StreamedAdamW8bit" and theirs["trainer"][0] == "AxolotlTrainer"
-    got, want = ours["losses"], theirs["losses"]
-    print("with the plugin", got, "\nwithout", want)
-    assert len(got) == len(want) == 6
-    assert got[0] == pytest.approx(want[0], abs=1e-4)
-    assert max(abs(a - b) / b for a, b in zip(got, want)) < 0.05
-    assert got[-1] < 0.8 * got[0]
+    assert_same_course(ours["losses"], theirs["losses"])
 
 
 @pytest.mark.parametrize("extra, needle", [

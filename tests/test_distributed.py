@@ -255,6 +255,13 @@ def test_trainer_two_processes_lora(tmp_path):
                  "gradient_accumulation_steps=2"]) == 0
     want = _losses(tmp_path / "one")
     assert _losses(tmp_path / "two") == want and len(want) == 3
+    # the merged model is written once, by rank 0 (two ranks writing it raced on one staging directory)
+    from safetensors.torch import load_file
+
+    merged = {n: load_file(tmp_path / n / "merged" / "model.safetensors") for n in ("one", "two")}
+    assert merged["one"].keys() == merged["two"].keys()
+    assert all(torch.allclose(merged["one"][k], merged["two"][k], atol=1e-6) for k in merged["one"])
+    assert sorted(os.listdir(tmp_path / "two" / "merged")) == sorted(os.listdir(tmp_path / "one" / "merged"))
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

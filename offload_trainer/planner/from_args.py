@@ -10,9 +10,9 @@ from .table import Plan
 
 # The Trainer's saves (and the command's merged LoRA model) are split into shards of at most this size. safetensors
 # copies every tensor of a shard to host memory before writing it, and transformers 5's default (50GB) makes an 8B
-# model one shard: each save then took 15 GiB of host memory beside the pinned optimizer states (H200, run
-# 20261201-s19d: host peak 30.8 GiB against 15.9 during training; 46.7 against 32.3 with exact clipping) -- more than
-# a 32 GB machine has. With 2 GB shards (run -s20c) the final save raised the host peak by 1.9 GiB, one shard.
+# model one shard: each save then took 15 GiB of host memory beside the pinned optimizer states (measured: host peak
+# 30.8 GiB against 15.9 during training; 46.7 against 32.3 with exact clipping) -- more than
+# a 32 GB machine has. With 2 GB shards (measured) the final save raised the host peak by 1.9 GiB, one shard.
 SAVE_SHARD_BYTES = 2 * 10**9
 
 

@@ -23,11 +23,11 @@ class Machine:
     cpu_s_per_chunk: float = 3.5e-4  # Python + launch cost of one streamed chunk update
     # CPU time to queue one decoder layer's forward, recompute and backward (HF Llama layer, SDPA, checkpointing):
     # native 3B at 1 x 2048 is paced by the CPU (compute stream busy 135 ms of a 0.17-0.24 s step): 0.174 and
-    # 0.240 s per step (medians) over 28 layers in two runs (20261130-s14a, -s14b)
+    # 0.240 s per step (medians) over 28 layers in two runs
     cpu_s_per_layer: float = 7.4e-3
     cuda_context_gib: float = 0.7  # taken from the card outside PyTorch's allocator
     # a training process's RSS beside its pinned buffers (torch, CUDA runtime, transformers, the batch): 1.66-1.74 GiB
-    # measured before any profiling (3B rows of runs 20261130-s17d, -s17e); 1.5 before, which put hosts 2-10% under
+    # measured before any profiling (3B, two runs); 1.5 before, which put hosts 2-10% under
     host_base_gib: float = 1.7
     backward_inflation: float = 1.08  # update kernels running beside backward slow it (8B: 1077 vs 980 ms)
     nf4_slowdown: float = 1.40  # bitsandbytes NF4 matmuls dequantize every weight each use (70B QLoRA: 2.38 s

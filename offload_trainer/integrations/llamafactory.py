@@ -1,0 +1,151 @@
+"""LLaMA-Factory: `python -m offload_trainer.integrations.llamafactory CONFIG.yaml [key=value ...]` in place of
+`llamafactory-cli train CONFIG.yaml [key=value ...]`, with our keys (`offload_optimizer`, `layer_swap`, ...;
+`offload-trainer keys` lists them) beside LLaMA-Factory's in the same YAML. Several GPUs: `torchrun
+--nproc_per_node N -m offload_trainer.integrations.llamafactory CONFIG.yaml`.
+
+LLaMA-Factory 0.9 has no plugin API for its Trainer-based stages: its v1 registry (`OptimizerPlugin`) builds the
+optimizer of its own training loop, which clips over `p.grad` after backward -- the gradients our streamed update has
+already consumed. So this launcher runs LLaMA-Factory's own `run_exp` with two seams, both made in `_seams()` and
+undone when the run ends:
+- its parser's training-arguments class (`llamafactory.hparams.parser._TRAIN_ARGS`) gains our fields, so
+  LLaMA-Factory's own parser reads and checks our keys (an unknown key is still an error);
+- its pre-training and SFT workflows build their trainer with `OffloadMixin` before LLaMA-Factory's `CustomTrainer` /
+  `CustomSeq2SeqTrainer` (its data, collators, callbacks and saving stay its own).
+What would move the same tensors a second way, or replace the optimizer or loss the mixin wires (DeepSpeed, its own
+optimizers, the other stages), is refused by name before any model loads.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import sys
+from typing import Any
+
+from ..args import OffloadFields
+from ..config import ConfigError
+
+__all__ = ["main", "clashes"]
+
+PROG = "python -m offload_trainer.integrations.llamafactory"
+
+STAGES = ("pt", "sft")  # the stages whose trainer is a transformers.Trainer stepping the Trainer's optimizer
+
+# LLaMA-Factory key (refused when set) -> what to do instead
+_CLASHES = {
+    "deepspeed": "remove deepspeed: the launcher streams the optimizer states itself",
+    **{k: f"remove {k}: it replaces AdamW, whose states the launcher streams (or run llamafactory-cli train)"
+       for k in ("use_galore", "use_apollo", "use_badam", "loraplus_lr_ratio", "use_adam_mini", "use_muon")},
+    "use_asft_loss": "remove use_asft_loss: its loss needs a reference model the launcher does not wire",
+}
+
+
+def clashes(cfg: dict[str, Any]) -> list[str]:
+    """What in a LLaMA-Factory config cannot run with the offload wiring, each with what to do instead."""
+    found = [f"{k}: {fix}" for k, fix in _CLASHES.items() if cfg.get(k) not in (None, False, "", 0)]
+    stage = cfg.get("stage", "sft")
+    if stage not in STAGES:
+        found.append(f"stage: {stage}: the launcher wires the pt and sft stages only"
+                     + ("; for DPO use OffloadDPOTrainer from Python (offload_trainer.trl)" if stage == "dpo" else ""))
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def _classes() -> dict[str, type]:
+    """LLaMA-Factory's training arguments with our fields, and its trainers with the offload wiring."""
+    from llamafactory.hparams.training_args import TrainingArguments
+    from llamafactory.train.pt.trainer import CustomTrainer
+    from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
+
+    from ..trainer import OffloadMixin
+
+    args = dataclasses.dataclass(type("OffloadLlamaFactoryArguments", (OffloadFields, TrainingArguments), {
+        "__doc__": "LLaMA-Factory's TrainingArguments plus the offload switches (offload_trainer's launcher)."}))
+    return {"args": args, **{base.__name__: type(f"Offload{base.__name__}", (OffloadMixin, base), {
+        "__doc__": f"LLaMA-Factory's {base.__name__} with the offload wiring (offload_trainer's launcher)."})
+        for base in (CustomTrainer, CustomSeq2SeqTrainer)}}
+
+
+def __getattr__(name: str) -> type:
+    # The classes are built on first use (they need LLaMA-Factory imported); pickle finds them by name here (the
+    # Trainer saves its arguments with torch.save).
+    by_name = {c.__name__: c for c in _classes().values()} if name.startswith("Offload") else {}
+    if name in by_name:
+        return by_name[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@contextlib.contextmanager
+def _seams():
+    """Every seam into LLaMA-Factory, undone on the way out (see the module's docstring for why each is needed)."""
+    from llamafactory.hparams import parser
+    from llamafactory.train.pt import workflow as pt
+    from llamafactory.train.sft import workflow as sft
+
+    c = _classes()
+    patches = [(parser, "_TRAIN_ARGS", [c["args"] if a is parser.TrainingArguments else a
+                                        for a in parser._TRAIN_ARGS]),
+               (pt, "CustomTrainer", c["CustomTrainer"]),
+               (sft, "CustomSeq2SeqTrainer", c["CustomSeq2SeqTrainer"])]
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    try:
+        for mod, name, value in patches:
+            setattr(mod, name, value)
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
+def _read(argv: list[str]) -> dict[str, Any]:
+    """The config as `llamafactory-cli train` reads it (its YAML / JSON plus `key=value` overrides)."""
+    from llamafactory.hparams.parser import read_args
+
+    if not argv or not argv[0].endswith((".yaml", ".yml", ".json")):
+        raise ConfigError(f"give a LLaMA-Factory config: {PROG} CONFIG.yaml [key=value ...]")
+    saved, sys.argv = sys.argv, [sys.argv[0], *argv]  # (read_args reads the command line itself)
+    try:
+        return read_args()
+    finally:
+        sys.argv = saved
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train a LLaMA-Factory config with the offload wiring; exit codes as `offload-trainer train`'s (2: a config
+    that cannot run)."""
+    from ..cli import exit_code_of, use_expandable_segments
+
+    _our_log_lines()
+    use_expandable_segments()
+    return exit_code_of(lambda: _train(list(sys.argv[1:] if argv is None else argv)), prog=PROG)
+
+
+def _train(argv: list[str]) -> None:
+    from llamafactory.train.tuner import run_exp
+
+    cfg = _read(argv)
+    found = clashes(cfg)
+    if found:
+        raise ConfigError("offload_trainer's LLaMA-Factory launcher cannot run with: " + "; ".join(found))
+    with _seams():
+        run_exp(cfg)
+
+
+def _our_log_lines() -> None:
+    """Our log lines (the plan, what is streamed and why not) on stderr as the command prints them, rank 0 only:
+    LLaMA-Factory sets up its own loggers and transformers', not ours."""
+    log = logging.getLogger("offload_trainer")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(logging.WARNING if int(os.environ.get("RANK", "0")) > 0 else logging.INFO)
+
+
+if __name__ == "__main__":  # (the importable module's main: its classes, which pickle finds by that module's name)
+    from offload_trainer.integrations.llamafactory import main as _main
+
+    sys.exit(_main())
