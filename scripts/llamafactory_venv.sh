@@ -14,5 +14,5 @@ $pip install -q torch==2.11.0 torchaudio==2.11.0 torchvision==0.26.0
 $pip install -q --no-deps llamafactory==0.9.5
 $pip install -q transformers==5.6.0 peft==0.18.1 trl==0.24.0 datasets==4.0.0 accelerate==1.11.0 torchao==0.17.0 \
   bitsandbytes==0.50.2 pyyaml omegaconf fire pydantic einops numpy scipy sentencepiece tiktoken matplotlib pandas \
-  protobuf "tyro<0.9.0" packaging safetensors av pytest tensorboard
+  protobuf "tyro<0.9.0" packaging safetensors "av<=16.0.0" pytest tensorboard
 $pip install -q --no-deps -e .
