@@ -168,3 +168,23 @@ def test_our_keys_go_through_llamafactorys_parser_and_the_seams_are_undone(tmp_p
     assert parser.TrainingArguments in parser._TRAIN_ARGS and sft.CustomSeq2SeqTrainer.__name__ == "CustomSeq2SeqTrainer"
     with pytest.raises(ValueError, match="offload_optimizer"):  # without the launcher its parser knows no such key
         get_train_args(cfg)
+
+
+def test_torchrun_two_processes_match_one(tmp_path):
+    """`torchrun --nproc_per_node 2 -m offload_trainer.integrations.llamafactory CONFIG` (gloo on CPU), 2 x 2 rows a
+    step, against one process with 4 rows a step: the same losses (each rank streams its share of the states)."""
+    def losses(out):
+        with open(out / "trainer_state.json") as f:
+            return [h["loss"] for h in json.load(f)["log_history"] if "loss" in h]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    two = tmp_path / "out-two"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "-m", LAUNCHER, str(write_case(tmp_path)), f"output_dir={two}",
+                        "per_device_train_batch_size=2", "ddp_backend=gloo"],
+                       capture_output=True, text=True, timeout=900, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-4000:]
+    assert "data parallel over 2 ranks" in r.stderr
+    r, one = run("ours", write_case(tmp_path))
+    assert one and one["rc"] == 0, r.stderr[-4000:]
+    assert losses(two) == pytest.approx(one["losses"], rel=1e-5) and len(one["losses"]) == 6
