@@ -439,6 +439,14 @@ _ENDINGS = ((ConfigError, "error", EXIT_INPUT), (DataError, "error", EXIT_INPUT)
             (OutputBusy, "busy", EXIT_BUSY), (TrainingStopped, "stopped", EXIT_STOPPED))
 
 
+LOG_FORMAT, LOG_DATEFMT = "%(asctime)s %(name)s: %(message)s", "%H:%M:%S"
+
+
+def our_log_level(main_rank_level: int) -> int:
+    """Our logger's level: several processes (torchrun) and only rank 0 tells the story."""
+    return logging.WARNING if int(os.environ.get("RANK", "0")) > 0 else main_rank_level
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # key=value overrides may come before or after options such as --json
@@ -448,11 +456,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(getattr(args, "overrides", [])) + extra
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S",
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt=LOG_DATEFMT,
                         force=True)  # bound to the current stderr, also when main() runs again in-process
     quiet_other_libraries()
-    # several processes (torchrun): rank 0 tells the story
-    logger.setLevel(logging.WARNING if int(os.environ.get("RANK", "0")) > 0 else logging.NOTSET)
+    logger.setLevel(our_log_level(logging.NOTSET))
     if args.command == "train":
         use_expandable_segments()
     return exit_code_of(lambda: _run(args))

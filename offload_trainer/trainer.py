@@ -63,8 +63,6 @@ def _liger_computes_loss(model: nn.Module) -> bool:
 def _head_and_decoder(model: nn.Module):
     """(decoder, lm_head) when the chunked loss can reproduce the model's own loss exactly, else None."""
     inner = base_model(model)
-    if _liger_computes_loss(inner):
-        return None
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     decoder = getattr(inner, getattr(inner, "base_model_prefix", ""), None)
     cfg = getattr(inner, "config", None)
@@ -246,12 +244,14 @@ class OffloadMixin:
 
     def _offload_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         chunk = self._flag("loss_chunk_size")
-        parts = _head_and_decoder(self.accelerator.unwrap_model(model)) if chunk else None
-        if chunk and parts is None and not self._said_liger and _liger_computes_loss(
-                base_model(self.accelerator.unwrap_model(model))):
-            self._said_liger = True
-            logger.info("use_liger_kernel: Liger's fused linear cross-entropy computes the loss (it keeps no full "
-                        "logits either); loss_chunk_size steps aside")
+        unwrapped = self.accelerator.unwrap_model(model)
+        if chunk and _liger_computes_loss(base_model(unwrapped)):
+            chunk = 0
+            if not self._said_liger:
+                self._said_liger = True
+                logger.info("use_liger_kernel: Liger's fused linear cross-entropy computes the loss (it keeps no full "
+                            "logits either); loss_chunk_size steps aside")
+        parts = _head_and_decoder(unwrapped) if chunk else None
         usable = (parts is not None and not return_outputs and "labels" in inputs and self.label_smoother is None
                   and self.compute_loss_func is None)
         if not usable:

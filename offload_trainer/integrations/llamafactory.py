@@ -20,14 +20,13 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 import sys
 from typing import Any
 
 from ..args import OffloadFields
 from ..config import ConfigError
 
-__all__ = ["main", "clashes"]
+__all__ = ["clashes", "main"]
 
 PROG = "python -m offload_trainer.integrations.llamafactory"
 
@@ -54,7 +53,7 @@ def clashes(cfg: dict[str, Any]) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _classes() -> dict[str, type]:
-    """LLaMA-Factory's training arguments with our fields, and its trainers with the offload wiring."""
+    """LLaMA-Factory's training arguments with our fields, and its trainers with the offload wiring, by name."""
     from llamafactory.hparams.training_args import TrainingArguments
     from llamafactory.train.pt.trainer import CustomTrainer
     from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
@@ -63,17 +62,17 @@ def _classes() -> dict[str, type]:
 
     args = dataclasses.dataclass(type("OffloadLlamaFactoryArguments", (OffloadFields, TrainingArguments), {
         "__doc__": "LLaMA-Factory's TrainingArguments plus the offload switches (offload_trainer's launcher)."}))
-    return {"args": args, **{base.__name__: type(f"Offload{base.__name__}", (OffloadMixin, base), {
+    trainers = [type(f"Offload{base.__name__}", (OffloadMixin, base), {
         "__doc__": f"LLaMA-Factory's {base.__name__} with the offload wiring (offload_trainer's launcher)."})
-        for base in (CustomTrainer, CustomSeq2SeqTrainer)}}
+        for base in (CustomTrainer, CustomSeq2SeqTrainer)]
+    return {c.__name__: c for c in (args, *trainers)}
 
 
 def __getattr__(name: str) -> type:
     # The classes are built on first use (they need LLaMA-Factory imported); pickle finds them by name here (the
     # Trainer saves its arguments with torch.save).
-    by_name = {c.__name__: c for c in _classes().values()} if name.startswith("Offload") else {}
-    if name in by_name:
-        return by_name[name]
+    if name.startswith("Offload") and name in _classes():
+        return _classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -85,10 +84,10 @@ def _seams():
     from llamafactory.train.sft import workflow as sft
 
     c = _classes()
-    patches = [(parser, "_TRAIN_ARGS", [c["args"] if a is parser.TrainingArguments else a
+    patches = [(parser, "_TRAIN_ARGS", [c["OffloadLlamaFactoryArguments"] if a is parser.TrainingArguments else a
                                         for a in parser._TRAIN_ARGS]),
-               (pt, "CustomTrainer", c["CustomTrainer"]),
-               (sft, "CustomSeq2SeqTrainer", c["CustomSeq2SeqTrainer"])]
+               (pt, "CustomTrainer", c["OffloadCustomTrainer"]),
+               (sft, "CustomSeq2SeqTrainer", c["OffloadCustomSeq2SeqTrainer"])]
     saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
     try:
         for mod, name, value in patches:
@@ -136,13 +135,15 @@ def _train(argv: list[str]) -> None:
 def _our_log_lines() -> None:
     """Our log lines (the plan, what is streamed and why not) on stderr as the command prints them, rank 0 only:
     LLaMA-Factory sets up its own loggers and transformers', not ours."""
+    from ..cli import LOG_DATEFMT, LOG_FORMAT, our_log_level
+
     log = logging.getLogger("offload_trainer")
     if not log.handlers:
         handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S"))
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt=LOG_DATEFMT))
         log.addHandler(handler)
         log.propagate = False
-    log.setLevel(logging.WARNING if int(os.environ.get("RANK", "0")) > 0 else logging.INFO)
+    log.setLevel(our_log_level(logging.INFO))
 
 
 if __name__ == "__main__":  # (the importable module's main: its classes, which pickle finds by that module's name)
