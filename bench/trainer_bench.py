@@ -95,6 +95,8 @@ def row_from_logs(logs: list[dict], *, skip: int, tokens_per_step: int) -> dict:
                 pinned_gib=timed[-1].get("host_pinned_gib"),
                 extra=dict(steps_per_log=steps[0], tok_per_s_logged=[x["tok_per_s"] for x in train],
                            losses=[x["loss"] for x in train],
+                           grad_norms=[x.get("grad_norm") for x in train],
+                           clip_rates=[x.get("clip_rate") for x in train],
                            host_rss_logged_max_gib=max((x.get("host_rss_gib", 0.0) for x in train), default=None),
                            gpu_stall_ms_max=max((x.get("gpu_stall_ms", 0.0) for x in timed), default=None),
                            pcie_gb_per_s=statistics.median(x.get("pcie_gb_per_s", 0.0) for x in timed)))
@@ -165,6 +167,10 @@ def main() -> None:
         trainer_module.OffloadTrainer = plain
     if built:
         row["extra"]["activation_offload"] = bool(built[0]._want_activations)  # (read by make_table)
+        opt = built[0]._offload_opt
+        if opt is not None and opt.speculative:  # clipped speculatively: what the clip did over the run
+            row["system"] = row["system"].replace("offload_trainer_cli", "offload_trainer_cli_speculative")
+            row["extra"]["clip_counts"] = opt.clip_counts
         if built[0]._plan is not None:  # the Trainer's own plan (its host peak counts a save's shard)
             row["predicted"] = predicted(built[0]._plan)
     row["extra"]["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # (the command sets one if unset)

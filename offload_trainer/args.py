@@ -147,6 +147,17 @@ class OffloadFields:
                           "gpu_memory_limit_gb or else the GPU's own memory; without a GPU, on when accumulating with "
                           "swapped trained layers, off otherwise."},
     )
+    speculative_clipping: bool | None = field(
+        default=None,
+        metadata={"help": "With max_grad_norm > 0: updates run during backward, before the global gradient norm is "
+                          "known; a step whose norm clips (or is not finite) is rolled back exactly and run again with "
+                          "the clip coefficient -- exact clipping's result at the speed of max_grad_norm: 0 while the "
+                          "clip rarely fires (a finetune). Costs 4 bytes/param more pinned host memory (a second bank "
+                          "of 8-bit states, the weights' backup) and 2 bytes/param of D2H per step; a step that clips "
+                          "runs twice, and while most steps clip they clip exactly instead, said in the log. Unset: "
+                          "the planner decides (on where it predicts a faster step and host RAM allows it; off "
+                          "without a plan); false: exact clipping, updates wait for the norm."},
+    )
     activation_offload: bool | None = field(
         default=None,
         metadata={"help": "Keep checkpointed layer inputs in pinned CPU memory, copied on side streams and "

@@ -43,6 +43,7 @@ def add_run_figures(trainer, logs: dict) -> None:
         trainer._last_bytes, trainer._last_stall_ms = moved, stall
     if trainer._nonfinite["skipped"]:
         logs["nonfinite_skipped"] = trainer._nonfinite["skipped"]
+    _clip_figures(trainer, logs)
     if "gpu_peak_gib" in logs:
         logger.info("step %d | loss %.4f | %.0f tok/s | gpu peak %s GiB | pcie %s GB/s | stall %s ms",
                     trainer.state.global_step, logs["loss"], logs["tok_per_s"], logs["gpu_peak_gib"],
@@ -50,5 +51,22 @@ def add_run_figures(trainer, logs: dict) -> None:
     else:  # (no GPU: what applies here)
         logger.info("step %d | loss %.4f | %.0f tok/s | host rss %s GiB", trainer.state.global_step,
                     logs["loss"], logs["tok_per_s"], logs.get("host_rss_gib", "-"))
+    if "clip_rate" in logs:
+        logger.info("step %d | clipped %.0f%% of %d steps | redone %d | exact %d", trainer.state.global_step,
+                    100 * logs["clip_rate"], logs["clip_steps"], logs["redone_steps"], logs["exact_clip_steps"])
     trainer._tokens_since_log = 0
     trainer._last_log_time = now
+
+
+def _clip_figures(trainer, logs: dict) -> None:
+    """Speculative clipping, over the optimizer steps since the last log: the share whose clip fired (`clip_rate`),
+    how many were redone, how many clipped exactly (the policy's fallback, or accumulation with host gradients)."""
+    opt = trainer._offload_opt
+    if opt is None or not opt.speculative:
+        return
+    now, last = opt.clip_counts, trainer._last_clip_counts or {}
+    delta = {k: v - last.get(k, 0) for k, v in now.items()}
+    trainer._last_clip_counts = now
+    if delta["steps"]:
+        logs.update(clip_rate=round(delta["clipped"] / delta["steps"], 4), clip_steps=delta["steps"],
+                    redone_steps=delta["redone"], exact_clip_steps=delta["exact"])

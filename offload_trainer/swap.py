@@ -154,6 +154,10 @@ class LayerSwap:
             for m in (layer, *layer.children()):
                 self._handles.append(m.register_forward_pre_hook(self._make_hook(i), prepend=True))
 
+    def swaps(self, p: Tensor) -> bool:
+        """Whether the trained tensor `p` lives in pinned host memory between uses (a swapped layer's)."""
+        return p in self._by_param
+
     @property
     def trainable_swapped(self) -> bool:
         """Some swapped tensors are trained (full finetune): the optimizer must update them via `touch`."""

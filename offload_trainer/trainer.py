@@ -7,6 +7,7 @@ seams.py (with its reason). `OffloadMixin` carries it all, so TRL's `SFTTrainer`
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -103,6 +104,7 @@ class OffloadMixin:
         self._want_activations = self._device_loss_filter = self._skip_step = self._said_nonfinite = False
         self._said_liger = False
         self._staging_run_dir: str | None = None  # set while a checkpoint is written (staging.save_checkpoint)
+        self._step_batches: list = []  # speculative clipping: this optimizer step's micro-batches, for a redo
         self._interrupted: int | None = None  # the signal that asked training to stop
         self._reset_log_counters()
         wiring.install_layer_swap(self)
@@ -110,6 +112,7 @@ class OffloadMixin:
     def _reset_log_counters(self) -> None:
         self._tokens_since_log, self._last_log_time, self._paused_s = 0, time.perf_counter(), 0.0
         self._last_bytes, self._last_stall_ms, self._last_trim_step = 0, 0.0, None
+        self._last_clip_counts = None
 
     def _flag(self, name: str):
         # A plain TrainingArguments (a script that only swapped Trainer for OffloadTrainer) gets our defaults.
@@ -159,6 +162,9 @@ class OffloadMixin:
         with guards.signals_stop_cleanly(self), seams.no_ddp_wrapper(self), seams.optimizer_not_moved(self), \
                 seams.loss_filter_on_device(self), seams.step_end_decisions(self):
             result = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
+        # The last step's updates may still be queued (they wait for a next forward): the model a caller reads after
+        # train() is its final one, as with the Trainer's own optimizer.
+        self._synchronize()
         guards.raise_if_stopped(self)
         return result
 
@@ -208,10 +214,26 @@ class OffloadMixin:
     def _clip_grad_norm(self, model):
         if self._offload_opt is None:
             return super()._clip_grad_norm(model)
-        norm = self._offload_opt.clip_grad_norm_(self.args.max_grad_norm)
+        redo = self._redo_step if self._offload_opt.speculative else None
+        try:
+            norm = self._offload_opt.clip_grad_norm_(self.args.max_grad_norm, redo=redo)
+        finally:
+            self._step_batches = []
         if self._check_nonfinite and not math.isfinite(norm.item()):  # one sync per optimizer step
             self._nonfinite_step()
         return norm
+
+    def _redo_step(self) -> None:
+        """Speculative clipping undid this step (its clip fired): run its micro-batches' forward and backward again,
+        as the Trainer's loop ran them (the optimizer has put the weights and the RNG back). What their losses and
+        TRL's per-step metrics would add a second time is not kept: the first pass's stand, and are equal."""
+        metrics = getattr(self, "_metrics", None)
+        saved = copy.deepcopy(metrics) if isinstance(metrics, dict) else None
+        for model, inputs, num_items_in_batch, accumulate in self._step_batches:
+            with self._offload_opt.no_update() if accumulate else contextlib.nullcontext():
+                super().training_step(model, inputs, num_items_in_batch)
+        if saved is not None:
+            self._metrics = saved
 
     def _get_grad_norm(self, model, grad_norm=None):
         if self._offload_opt is None:
@@ -226,6 +248,8 @@ class OffloadMixin:
             self._activations = enable_activation_offload(self.accelerator.unwrap_model(model))
         self._tokens_since_log += int(inputs["input_ids"].numel()) if "input_ids" in inputs else 0
         accumulate = self._offload_opt is not None and not self.accelerator.sync_gradients
+        if self._offload_opt is not None and self._offload_opt.speculative:  # (a redo runs these again)
+            self._step_batches.append((model, dict(inputs), num_items_in_batch, accumulate))
         with self._offload_opt.no_update() if accumulate else contextlib.nullcontext():
             loss = super().training_step(model, inputs, num_items_in_batch)
         return seams.filtered_loss(self, loss) if self._device_loss_filter else loss

@@ -156,6 +156,7 @@ def streamed_optimizer(trainer, model=None):
         ]
         clip = trainer.args.max_grad_norm is not None and trainer.args.max_grad_norm > 0
         accumulate = trainer.args.gradient_accumulation_steps > 1
+        speculative = clip and trainer._resolved("speculative_clipping")
         offload_grads = trainer._resolved("offload_gradients")
         if trainer._flag("offload_gradients") is None and trainer._swap is not None and trainer._swap.trainable_swapped:
             offload_grads = offload_grads or accumulate  # swapped layers' gradients must not pile up on the GPU
@@ -167,6 +168,7 @@ def streamed_optimizer(trainer, model=None):
             weight_decay=trainer.args.weight_decay,
             bf16_stochastic_round=trainer._flag("master_weights") == "bf16_sr",
             update_in_backward=not clip,
+            speculative=speculative,
             offload_gradients=(clip or accumulate) and offload_grads,
             chunk_numel=trainer._flag("offload_chunk_numel"),
             inflight_chunks=trainer._flag("offload_inflight_chunks"),
@@ -176,10 +178,13 @@ def streamed_optimizer(trainer, model=None):
         )
         trainer._offload_opt.attach(model)
         if trainer._swap is not None:
-            trainer._offload_opt.set_residency(trainer._swap.touch, ahead=trainer._swap.prefetch)
+            trainer._offload_opt.set_residency(trainer._swap.touch, ahead=trainer._swap.prefetch,
+                                               swapped=trainer._swap.swaps)
         trainer._offload_opt.sync_weights()  # data parallel: every rank starts from rank 0's weights
         trainer.optimizer = trainer._offload_opt
-        mode = "after backward, clipped to max_grad_norm" if clip else "during backward (no clipping)"
+        mode = ("during backward, clipped to max_grad_norm speculatively (a step whose clip fires is rolled back and "
+                "redone)" if speculative else "after backward, clipped to max_grad_norm" if clip else
+                "during backward (no clipping)")
         if trainer._offload_opt.offload_gradients:
             mode += "; gradients wait in host memory" + (" between micro-batches" if accumulate else "")
         logger.info("optimizer: AdamW, 8-bit states in %s memory, updates streamed %s%s",

@@ -66,6 +66,52 @@ def run(model, opt, *, steps, accum, max_norm, seed, streamed, device, order="mo
     return losses, norms
 
 
+def run_speculative(model, opt, *, steps, accum, max_norm, seed, device, nan_steps=()):
+    """`run` for a speculative optimizer: the step's micro-batches are kept, and `redo` runs them again; a step in
+    `nan_steps` has a NaN loss. Returns losses and grad norms (the first pass's: a redo repeats them)."""
+    sched = Cosine(opt, steps)
+    gen = torch.Generator().manual_seed(seed)
+    losses, norms = [], []
+    for step in range(steps):
+        batches = [torch.randint(0, 128, (4, 17), generator=gen).to(device) for _ in range(accum)]
+
+        def forward_backward(record=None):
+            for micro, ids in enumerate(batches):
+                with opt.no_update() if micro < accum - 1 else contextlib.nullcontext():
+                    loss = model.loss(ids) / accum * (float("nan") if step in nan_steps else 1.0)
+                    loss.backward()
+                if record is not None:
+                    record.append(loss.item())
+
+        forward_backward(losses)
+        norms.append(float(opt.clip_grad_norm_(max_norm, redo=forward_backward)))
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return losses, norms
+
+
+def run_skipping(model, opt, *, steps, accum, max_norm, seed, device, nan_steps=()):
+    """`run` with the Trainer's rule for a non-finite norm (torchao's optimizer as the reference): that step's
+    update is skipped, its gradients dropped, the schedule goes on."""
+    sched = Cosine(opt, steps)
+    gen = torch.Generator().manual_seed(seed)
+    losses, norms = [], []
+    for step in range(steps):
+        for micro in range(accum):
+            ids = torch.randint(0, 128, (4, 17), generator=gen).to(device)
+            loss = model.loss(ids) / accum * (float("nan") if step in nan_steps else 1.0)
+            loss.backward()
+            losses.append(loss.item())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        if math.isfinite(norms[-1]):
+            opt.step()
+        sched.step()
+        opt.zero_grad()
+    return losses, norms
+
+
 def make_pair(device, dtype=torch.float32, **kw):
     torch.manual_seed(0)
     ref = TinyLM().to(device=device, dtype=dtype)

@@ -187,6 +187,51 @@ def test_accumulation_sums_swapped_gradients_on_the_host(device, clip):
         assert torch.equal(a, b.to(device)), name
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_speculative_clipping_of_swapped_layers_equals_exact_clipping_unswapped(device):
+    """Speculative clipping with 4 of 6 layers swapped (2 slots: evictions every pass) against exact clipping of the
+    unswapped model: a swapped layer is backed up and updated in its slot, restored there on a rollback, and copied
+    back; the clip fires on some steps and not on others. fp32: no stochastic rounding, so every streamed tensor's
+    update is speculative on CPU too."""
+    from offload_trainer.optim.speculation import ClipPolicy
+
+    ref, model, batches = setup(device)
+    probe = copy.deepcopy(ref)
+    norms = []
+    for batch in batches:  # norms of an unclipped run: clip at their median
+        probe(**batch).loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(probe.parameters(), 1e9)))
+        probe.zero_grad()
+    max_norm = sorted(norms)[len(norms) // 2]
+    swap = install(model, device, resident=2, prefetch=0)
+    kw = dict(lr=1e-3, chunk_numel=4096, inflight_chunks=2, bf16_stochastic_round=False)
+    ref_opt = StreamedAdamW8bit(ref.parameters(), offload_gradients=True, **kw)
+    opt = StreamedAdamW8bit(model.parameters(), speculative=True, clip_policy=ClipPolicy(to_exact=10**9), **kw)
+    ref_opt.attach(ref)
+    opt.attach(model)
+    opt.set_residency(swap.touch, ahead=swap.prefetch, swapped=swap.swaps)
+    ref_norms = []
+    for batch in batches:
+        loss = ref(**batch).loss
+        loss.backward()
+        ref_norms.append(float(ref_opt.clip_grad_norm_(max_norm)))
+        ref_opt.step()
+        ref_opt.zero_grad()
+        got = model(**batch).loss
+        got.backward()
+        assert float(opt.clip_grad_norm_(max_norm, redo=lambda: model(**batch).loss.backward())) == ref_norms[-1]
+        opt.step()
+        opt.zero_grad()
+        assert got.item() == loss.item()
+    ref_opt.synchronize()
+    opt.synchronize()
+    swap.synchronize()
+    clipped = sum(n > max_norm for n in ref_norms)
+    assert 0 < clipped < len(batches) and opt._spec.counts["redone"] == clipped
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+        assert torch.equal(a, b.to(device)), name
+
+
 def test_state_dict_tensors_do_not_share_storage(tmp_path):
     ref, model, _ = setup("cpu", layers=4)
     install(model, "cpu", resident=1, prefetch=0)

@@ -21,9 +21,11 @@ class Update:
     grad_ready: object  # event: the gradient (device or host) is final
     step: Tensor
     args: tuple  # (lr, beta1, beta2, weight_decay, eps, stochastic rounding)
-    coef: Tensor | None  # the clip coefficient, applied to a host gradient by its update
+    coef: Tensor | None  # the clip coefficient, applied to the gradient by its update (not yet applied in place)
     hold: bool  # the gradient was just made (backward): count it against the backlog
     rank: int = 0  # place of its unit in the launch order (`Schedule.launch_order`)
+    banks: tuple = (0, 0)  # (the bank of host states it reads, the bank it writes): states.py
+    speculative: bool = False  # run before the global norm is known: undone if the clip fires (speculation.py)
 
 
 @dataclass
@@ -38,6 +40,7 @@ class StepPlan:
     updated: set = field(default_factory=set)  # params already updated in this backward
     reduced: list = field(default_factory=list)  # data parallel: params whose gradient was reduced, in order
     clip_coef: Tensor | None = None
+    redo_coef: Tensor | None = None  # during a redo: the coefficient each update applies to its device gradient
 
     def reset(self) -> None:
         self.__init__()
@@ -98,7 +101,8 @@ class UpdatePipeline:
             self._on_device(p, flat_p, flat_g, step, args, sumsq)
         else:
             for chunk in self.states.host_chunks(p):
-                self._chunk(chunk, flat_p, flat_g, u.grad_ready if on_host else None, step, args, sumsq, u.coef)
+                self._chunk(chunk, u.banks, flat_p, flat_g, u.grad_ready if on_host else None, step, args, sumsq,
+                            u.coef)
         if not on_host and u.hold:  # the gradient is freed once the update read it
             self.backlog.hold(S.record(S.update), p.numel() * grad.element_size())
 
@@ -117,10 +121,11 @@ class UpdatePipeline:
                 self.chunk_fn(flat_p[a:b], flat_g[a:b], codes[:, a:b], scales[:, a // bs:b // bs], *qmaps, step,
                               *args)
 
-    def _chunk(self, chunk, flat_p, flat_g, host_grad_ready, step, args, sumsq=None, coef=None) -> None:
+    def _chunk(self, chunk, banks, flat_p, flat_g, host_grad_ready, step, args, sumsq=None, coef=None) -> None:
         S, bs = self.S, self.states.block_size
-        s, e, host_codes, host_scales, host_grad, flat_start = chunk
+        s, e, flat_start = chunk.start, chunk.end, chunk.flat_start
         n = e - s
+        (host_codes, host_scales), (out_codes, out_scales) = [(chunk.codes[b], chunk.scales[b]) for b in banks]
         slot = self.states.take_slot()
         # 1) H2D: the slot must be free (its last copy-back done), host states final (last step's
         #    copy-backs done), and a host gradient must have landed (its D2H done).
@@ -137,18 +142,17 @@ class UpdatePipeline:
                 code_rows[k].copy_(host_codes[k], non_blocking=True)
                 scale_rows[k].copy_(host_scales[k], non_blocking=True)
             if flat_g is None:
-                g.copy_(host_grad, non_blocking=True)
+                g.copy_(chunk.spare, non_blocking=True)
         loaded = S.record(S.h2d)
         self.stats["h2d_bytes"] += 2 * n + 8 * (n // bs) + (0 if flat_g is not None else g.numel() * g.element_size())
         # 2) the update, on its own stream so that backward / forward never wait for it
         S.update.wait_event(loaded)
         whole = s == 0 and e == flat_p.numel()
         with S.on(S.update):
-            if flat_g is None:
-                if coef is not None and self.fused is None:
-                    g = g * coef  # bf16 * fp32 scalar -> bf16, as clip_grad_norm_ does in place
-            else:
-                g, coef = flat_g if whole else flat_g[s:e], None
+            if flat_g is not None:
+                g = flat_g if whole else flat_g[s:e]
+            if coef is not None and self.fused is None:
+                g = g * coef  # bf16 * fp32 scalar -> bf16, as clip_grad_norm_ does in place
             chunk_p = flat_p if whole else flat_p[s:e]
             if self.fused is not None:  # clipping's product inside the kernel; Philox counters unique per step
                 self.fused(chunk_p, g, codes, scales, *self.states.qmaps_dev, step, *args, grad_scale=coef,
@@ -156,11 +160,11 @@ class UpdatePipeline:
             else:
                 self.chunk_fn(chunk_p, g, codes, scales, *self.states.qmaps_dev, step, *args)
         updated = S.record(S.update)
-        # 3) D2H: the new states back to the host; the slot is free once this lands
+        # 3) D2H: the new states back to the host (the bank it writes); the slot is free once this lands
         S.d2h.wait_event(updated)
         with S.on(S.d2h):
             for k in range(2):
-                host_codes[k].copy_(code_rows[k], non_blocking=True)
-                host_scales[k].copy_(scale_rows[k], non_blocking=True)
+                out_codes[k].copy_(code_rows[k], non_blocking=True)
+                out_scales[k].copy_(scale_rows[k], non_blocking=True)
         slot.free = S.record(S.d2h)
         self.stats["d2h_bytes"] += 2 * n + 8 * (n // bs)

@@ -53,6 +53,7 @@ class Schedule:
         self.launch_rank: dict[int, int] = {}  # unit -> its place in the launch order of the deferred updates
         self.covered_by: dict[int, int] = {}  # unit whose forward never runs -> the unit whose wait covers it
         self.launch_ahead = LAUNCH_AHEAD
+        self.on_step_start = None  # called at a step's first forward with grad (speculative clipping's backups)
         self.norm_order = params  # clip_grad_norm_(model.parameters()) sums per-tensor norms in the model's order
 
     def attach(self, model: nn.Module, units: list[nn.Module] | None, owned: set, on_grad_ready) -> None:
@@ -89,6 +90,8 @@ class Schedule:
         def hook(module, args):
             # The forward of this unit reads weights that the update stream may still be writing.
             if torch.is_grad_enabled():
+                if not self.fired and self.on_step_start is not None:
+                    self.on_step_start()  # (the first training forward since the last step())
                 self.fired.add(unit)
             self.launch_deferred(unit)
             self.stall.wait(self.S.compute(), self.unit_event.get(unit))

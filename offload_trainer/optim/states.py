@@ -1,7 +1,11 @@
 """Where the 8-bit AdamW states live: flat pinned host buffers (codes of both moments, their block scales and, with
 gradient offload, the gradients), GPU staging slots for streamed chunks, and the states of the tensors kept on the
 device. Allocated at first use: accelerate's prepare() round-trips an optimizer's state dict through the GPU, which
-must not see gigabytes of host states."""
+must not see gigabytes of host states.
+
+With speculative clipping (speculation.py) the streamed states have two banks: an update reads a tensor's current
+bank and writes the other, and the step's commit makes the other current. A rolled-back update is then undone by not
+committing it -- no copy of the old states is ever made, on either side of PCIe."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,6 +16,20 @@ from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qma
 
 from ..sizes import state_bytes
 from ..streams import pinned_empty
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed chunk of a tensor: values [start, end) of the tensor, its rows in each bank of host states and its
+    slice of the spare host buffer (gradients or backups). Views made once, since indexing costs microseconds of CPU
+    per call and the updates run from backward hooks."""
+
+    start: int
+    end: int
+    codes: tuple  # per bank: (exp_avg codes, exp_avg_sq codes)
+    scales: tuple  # per bank: (exp_avg scales, exp_avg_sq scales)
+    spare: Tensor | None  # the chunk's slice of `HostStates.host_grads`
+    flat_start: int  # start in the flat host buffers (the fused kernel's Philox counter)
 
 
 @dataclass
@@ -28,21 +46,29 @@ class Slot:
 class HostStates:
     """The states of one optimizer's trainable tensors (those this rank owns). `offset[p]`: a streamed tensor's place
     in the flat host buffers; `on_device[p]`: (codes, scales) of a tensor whose states stay on the GPU; `place[p]`:
-    an 8-bit tensor's place among all of them (the fused kernel's Philox counters)."""
+    an 8-bit tensor's place among all of them (the fused kernel's Philox counters); `bank[p]`: which of the
+    `banks` host copies holds a streamed tensor's current states.
+
+    `host_grads`, the spare buffer (one value per streamed value, in the weights' dtype): gradients waiting in host
+    memory (`offload_gradients`) or, with `two_banks`, the weights' backups of speculative clipping -- never both in
+    one step, so one buffer serves both."""
 
     def __init__(self, params: list[Tensor], state: dict, *, device: torch.device, block_size: int, chunk_numel: int,
                  inflight: int, offload_gradients: bool, device_state_bytes: int, owns,
-                 grad_backlog_bytes: int | None):
+                 grad_backlog_bytes: int | None, two_banks: bool = False):
         self.params, self.state, self.device = params, state, device
         self.block_size, self.chunk_numel, self.inflight = block_size, chunk_numel, inflight
         self.offload_gradients, self.device_state_bytes, self.owns = offload_gradients, device_state_bytes, owns
         self.grad_backlog_bytes = grad_backlog_bytes
+        self.banks = 2 if two_banks else 1
         self.offset: dict[Tensor, int] = {}
         self.on_device: dict[Tensor, tuple] = {}
         self.place: dict[Tensor, int] = {}
-        self.chunks: dict[Tensor, list] = {}  # param -> its chunks' host views (`host_chunks`)
+        self.bank: dict[Tensor, int] = {}
+        self.bank_states: dict[Tensor, list] = {}  # streamed param -> per bank, its (exp_avg, exp_avg_sq) views
+        self.chunks: dict[Tensor, list] = {}  # param -> its chunks (`host_chunks`)
         self.allocated = False
-        self.host_codes = self.host_scales = self.host_grads = None
+        self.host_codes = self.host_scales = self.host_grads = self.bank_codes = self.bank_scales = None
         self.slots: list[Slot] = []
         self.slot_chunk, self.next_slot, self.total_8bit, self.held_limit = 0, 0, 0, 0
 
@@ -73,16 +99,19 @@ class HostStates:
         self._keep_on_device(big, order)
         streamed = [p for p in big if p not in self.on_device]
         total, bs = sum(p.numel() for p in streamed), self.block_size
-        # One flat host buffer per kind (exactly sized, pinned once): codes of both moments, their scales,
-        # and, when offloading, the gradients.
-        self.host_codes = pinned_empty(2 * total, torch.uint8, pin=pin).view(2, total)
-        self.host_scales = pinned_empty(2 * total // bs, torch.float32, pin=pin).view(2, total // bs)
-        self.host_codes.zero_()
-        self.host_scales.zero_()
+        # One flat host buffer per kind (exactly sized, pinned once) and bank: codes of both moments, their scales;
+        # and the spare buffer (gradients waiting, or the backups of speculative updates).
+        nb = self.banks
+        self.bank_codes = pinned_empty(nb * 2 * total, torch.uint8, pin=pin).view(nb, 2, total)
+        self.bank_scales = pinned_empty(nb * 2 * total // bs, torch.float32, pin=pin).view(nb, 2, total // bs)
+        self.bank_codes.zero_()
+        self.bank_scales.zero_()
+        self.host_codes, self.host_scales = self.bank_codes[0], self.bank_scales[0]  # (the first bank's)
         grad_dtype = streamed[0].dtype if streamed else torch.float32
-        if self.offload_gradients and any(p.dtype != grad_dtype for p in streamed):
-            raise ValueError("offload_gradients needs all 8-bit-state parameters in one dtype")
-        self.host_grads = pinned_empty(total, grad_dtype, pin=pin) if self.offload_gradients else None
+        spare = self.offload_gradients or self.banks == 2
+        if spare and any(p.dtype != grad_dtype for p in streamed):
+            raise ValueError("offload_gradients and speculative clipping need all 8-bit-state parameters in one dtype")
+        self.host_grads = pinned_empty(total, grad_dtype, pin=pin) if spare else None
         # GPU bytes of gradients allowed to wait for their update or copy (`Backlog`): two of the largest tensor, >= 1 GiB
         self.held_limit = self.grad_backlog_bytes if self.grad_backlog_bytes is not None else max(
             2 * max((p.numel() * p.element_size() for p in streamed), default=0), 2**30)
@@ -111,10 +140,31 @@ class HostStates:
                 self.on_device[p], maps = (codes, scales), self.qmaps_dev
             else:
                 self.offset[p] = self.place[p] = off
-                codes, scales = self.host_codes[:, off:off + n], self.host_scales[:, off // bs:(off + n) // bs]
-                maps, off = qmaps, off + n
-            for k, (name, signed) in enumerate((("exp_avg", True), ("exp_avg_sq", False))):
-                st[name] = OptimState8bit(codes[k].view(p.shape), scales[k], maps[k], signed, dtype=p.dtype)
+                self.bank[p] = 0
+                self.bank_states[p] = [self._moments(p, self.bank_codes[b, :, off:off + n],
+                                                     self.bank_scales[b, :, off // bs:(off + n) // bs], qmaps)
+                                       for b in range(self.banks)]
+                st["exp_avg"], st["exp_avg_sq"] = self.bank_states[p][0]
+                off += n
+                continue
+            st["exp_avg"], st["exp_avg_sq"] = self._moments(p, codes, scales, maps)
+
+    @staticmethod
+    def _moments(p: Tensor, codes: Tensor, scales: Tensor, maps: list) -> tuple:
+        """(exp_avg, exp_avg_sq) as torchao's `OptimState8bit`s over rows of `codes` (2, n) and `scales`."""
+        return tuple(OptimState8bit(codes[k].view(p.shape), scales[k], maps[k], signed, dtype=p.dtype)
+                     for k, signed in enumerate((True, False)))
+
+    def banks_of(self, p: Tensor) -> tuple[int, int]:
+        """(the bank an update of `p` reads, the bank it writes): the other bank when there are two."""
+        b = self.bank[p]
+        return b, (b + 1) % self.banks
+
+    def commit(self, p: Tensor) -> None:
+        """`p`'s update is final: the bank it wrote becomes its current one (`state[p]` views it)."""
+        if self.banks == 2:
+            b = self.bank[p] = 1 - self.bank[p]
+            self.state[p]["exp_avg"], self.state[p]["exp_avg_sq"] = self.bank_states[p][b]
 
     def _init_slots(self) -> None:
         big = [p for p in self.params if p in self.offset]
@@ -133,22 +183,26 @@ class HostStates:
         self.next_slot = (self.next_slot + 1) % len(self.slots)
         return slot
 
-    def host_chunks(self, p: Tensor) -> list:
-        """`p`'s chunks: (start, end, host code rows, host scale rows, host gradient, start in the flat host
-        buffers) -- views made once, since indexing costs microseconds of CPU per call and the updates run from
-        backward hooks."""
+    def host_chunks(self, p: Tensor) -> list[Chunk]:
+        """`p`'s chunks of at most a slot's length."""
         chunks = self.chunks.get(p)
         if chunks is None:
             bs, off, n = self.block_size, self.offset[p], p.numel()
-            codes, scales, grads = self.host_codes, self.host_scales, self.host_grads
+            codes, scales, grads = self.bank_codes, self.bank_scales, self.host_grads
             chunks = self.chunks[p] = []
             for s in range(0, n, self.slot_chunk):
                 e = min(s + self.slot_chunk, n)
                 a, b = off + s, off + e  # range in the flat host buffers
                 rows = slice(a // bs, b // bs)
-                chunks.append((s, e, (codes[0, a:b], codes[1, a:b]), (scales[0, rows], scales[1, rows]),
-                               None if grads is None else grads[a:b], a))
+                chunks.append(Chunk(s, e, tuple((codes[k, 0, a:b], codes[k, 1, a:b]) for k in range(self.banks)),
+                                    tuple((scales[k, 0, rows], scales[k, 1, rows]) for k in range(self.banks)),
+                                    None if grads is None else grads[a:b], a))
         return chunks
+
+    def spare(self, p: Tensor) -> Tensor:
+        """`p`'s slice of the spare host buffer, shaped as `p`."""
+        off = self.offset[p]
+        return self.host_grads[off:off + p.numel()].view(p.shape)
 
     def slot_views(self, slot: Slot, n: int) -> tuple:
         """(codes, scales, code rows, scale rows, gradient) of `slot` for a chunk of `n` values (made once per n)."""
@@ -164,7 +218,7 @@ class HostStates:
     def memory_stats(self, is_cuda: bool) -> dict[str, int]:
         if not self.allocated:
             return {"host_state_bytes": 0, "pinned_bytes": 0, "gpu_slot_bytes": 0, "gpu_state_bytes": 0}
-        host = sum(t.numel() * t.element_size() for t in (self.host_codes, self.host_scales) if t is not None)
+        host = sum(t.numel() * t.element_size() for t in (self.bank_codes, self.bank_scales) if t is not None)
         host += self.host_grads.numel() * self.host_grads.element_size() if self.host_grads is not None else 0
         slots = sum(t.numel() * t.element_size() for s in self.slots
                     for t in (s.codes, s.scales, s.grad_bytes) if t is not None)

@@ -10,7 +10,8 @@ The algorithm, as this class runs it (each step of it a collaborator in this pac
    sits on the GPU. Gradient accumulation (backward inside `no_update()`) sums each micro-batch into the host copy.
    Data parallel (sharded.py) first averages each gradient onto the rank that owns it.
 3. `clip_grad_norm_`: the global norm with `torch.nn.utils.clip_grad_norm_`'s arithmetic, over device and host
-   gradients; the coefficient is applied in place or by each update.
+   gradients; the coefficient is applied in place or by each update. With `speculative` the updates ran during
+   backward already: a step that clips is rolled back and redone (speculation.py).
 4. `step()`: takes every remaining update (gradient, lr, step count) and, when attached, queues only the first units'
    ones; each unit's next forward queues the next (schedule.py) and waits only for its own. An update (pipeline.py)
    copies a chunk of states to a GPU slot, updates it -- one Triton kernel on CUDA (kernel.py), torchao's arithmetic
@@ -35,6 +36,7 @@ from .grads import HostGradients
 from .pipeline import Backlog, StepPlan, Update, UpdatePipeline
 from .schedule import LAUNCH_AHEAD, Schedule
 from .sharded import ShardedUpdates
+from .speculation import ClipPolicy, Speculation
 from .states import HostStates
 from .update import adamw8bit_chunk, compile_update, global_norm, grad_norm, roots_of_sums
 
@@ -67,6 +69,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     `device_state_bytes`: GPU memory for 8-bit states kept on the device instead of streamed (the model's first
     tensors, in model order once attached). They behave like the small tensors: no host copy of their states,
     gradients never offloaded (clipped and accumulated on the device).
+    `speculative`: clip by global norm with updates during backward (attached): `clip_grad_norm_(max_norm,
+    redo=fn)` keeps a step whose norm does not clip and otherwise undoes it and calls `fn` to run the step's forward
+    and backward again, each update then applying the clip coefficient -- exact clipping's result (speculation.py:
+    what it keeps, 4 more bytes/param of pinned host memory). `clip_policy`: when to stop speculating while the clip
+    fires on most steps (`ClipPolicy`).
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -74,13 +81,17 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                  update_in_backward: bool = False, offload_gradients: bool = False, chunk_numel: int = 2**25,
                  inflight_chunks: int = 4, compile: bool | dict | None = None, sharding: Sharding | None = None,
                  grad_backlog_bytes: int | None = None, fused: bool | dict | None = None, seed: int | None = None,
-                 device_state_bytes: int = 0) -> None:
+                 device_state_bytes: int = 0, speculative: bool = False,
+                 clip_policy: ClipPolicy | None = None) -> None:
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}")
         if chunk_numel % block_size or chunk_numel < block_size:
             raise ValueError(f"chunk_numel={chunk_numel} must be a positive multiple of block_size={block_size}")
         if inflight_chunks < 2:
             raise ValueError("inflight_chunks must be >= 2 (one slot copying while another updates)")
+        if speculative and update_in_backward:
+            raise ValueError("speculative=True clips by global norm with updates in backward; update_in_backward=True "
+                             "never clips: choose one")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.block_size, self.bf16_stochastic_round = block_size, bf16_stochastic_round
         self.update_in_backward, self.offload_gradients = update_in_backward, offload_gradients
@@ -103,7 +114,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._states = HostStates(self._params, self.state, device=self.device, block_size=block_size,
                                   chunk_numel=chunk_numel, inflight=inflight_chunks,
                                   offload_gradients=offload_gradients, device_state_bytes=self.device_state_bytes,
-                                  owns=self._owns, grad_backlog_bytes=grad_backlog_bytes)
+                                  owns=self._owns, grad_backlog_bytes=grad_backlog_bytes, two_banks=speculative)
         backlog = Backlog(self._states)
         self._host_grads = HostGradients(self._states, S, self.stats, self._plan, backlog)
         step_fn, chunk_fn = self._update_fns(compile)
@@ -111,7 +122,22 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._pipeline = UpdatePipeline(self._states, S, self.stats, self._plan, backlog, step_fn=step_fn,
                                         chunk_fn=chunk_fn, fused=self._fused, state=self.state)
         self._residency = _always_resident
-        self._accumulating = self._skip = False
+        self._swapped = lambda p: False
+        self._accumulating = self._skip = self._redoing = False
+        self._spec = Speculation(self._states, S, self.stats, self.device, clip_policy) if speculative else None
+        if speculative:
+            self._schedule.on_step_start = self._start_speculative_step
+
+    @property
+    def speculative(self) -> bool:
+        """Clipping by global norm with updates during backward, redone when the clip fires (`speculative=True`)."""
+        return self._spec is not None
+
+    @property
+    def clip_counts(self) -> dict[str, int]:
+        """Speculative clipping's counts so far: optimizer steps, those whose clip fired, those redone, those clipped
+        exactly (while most steps clip, or accumulating with gradients on the host), those not finite (skipped)."""
+        return dict(self._spec.counts) if self._spec is not None else {}
 
     @staticmethod
     def _device_of(params: list[Tensor]) -> torch.device:
@@ -163,12 +189,16 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     def detach(self) -> None:
         self._schedule.detach()
 
-    def set_residency(self, touch, ahead: int | None = None) -> None:
+    def set_residency(self, touch, ahead: int | None = None, swapped=None) -> None:
         """`touch(p, update_stream)`: a context manager around each update of `p`, which makes sure `p` is
         on the device while the update is queued (the layer-swap engine's `LayerSwap.touch`). `ahead`: queue
         deferred updates at most this many units past the running forward (`LayerSwap.prefetch`: a swapped layer is
-        then updated in the slot its forward was prefetched into, never fetched for its update alone)."""
+        then updated in the slot its forward was prefetched into, never fetched for its update alone). `swapped(p)`:
+        whether `p` lives in host memory between uses (`LayerSwap.swaps`): speculative clipping backs it up only
+        while it is on the GPU for its update."""
         self._residency = touch
+        if swapped is not None:
+            self._swapped = swapped
         self._schedule.launch_ahead = LAUNCH_AHEAD if ahead is None else max(0, min(LAUNCH_AHEAD, ahead))
 
     def sync_weights(self, src: int = 0) -> None:
@@ -189,6 +219,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
     @contextlib.contextmanager
     def no_update(self):
         """Backward passes inside only accumulate gradients (all micro-batches but the last)."""
+        if self._spec is not None and self.offload_gradients:
+            # the sums wait in the spare host buffer, where a speculative step keeps its backups: this step clips
+            # exactly
+            self._spec.exact_this_step = True
         prev, self._accumulating = self._accumulating, True
         try:
             yield
@@ -206,26 +240,43 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if self._accumulating:
             return self._accumulate(p)
         S = self._streams
+        speculate = self._speculates(p)
+        in_backward = self.update_in_backward or speculate
         if self._shard is not None:
             ready = self._shard.reduce(p)
             if ready is None:  # another rank owns p: its new weights come from there
-                if self.update_in_backward:
+                if in_backward:
                     self._plan.updated.add(p)
                     self._publish(p)
                 return
             ready = self._shard.add_sums(p, ready, self._host_grads, p in self._states.offset)
-            self._measure_norm(p, S.reduced)
+            if not self._redoing:  # (a redo's norms are the first pass's)
+                self._measure_norm(p, S.reduced)
         else:
             ready = self._host_grads.add_sum(p, S.record(S.compute()))  # + earlier micro-batches' sum, if any
-            if not self._norm_in_update(p) and (self.update_in_backward or (
+            if not self._norm_in_update(p) and not self._redoing and (in_backward or (
                     self.offload_gradients and p in self._states.offset)):
                 self._measure_norm(p, S.compute())
-        if self.update_in_backward:
-            self._launch(self._take(p, ready, hold=True))
+        if in_backward:
+            self._launch(self._take(p, ready, hold=True, speculative=speculate))
             self._plan.updated.add(p)
             self._publish(p)
         elif self.offload_gradients and p in self._states.offset:
+            if self._spec is not None:
+                self._spec.backed.pop(p, None)  # its slice of the spare buffer holds its gradient now
             self._plan.host_grad_ready[p] = self._host_grads.offload(p, ready)
+
+    def _speculates(self, p: Tensor) -> bool:
+        """Whether `p`'s update runs in this backward before the norm is known (speculative clipping): a streamed
+        tensor whose rounding does not draw from the global RNG, while the policy speculates."""
+        return (self._spec is not None and self._spec.speculating and p in self._states.offset
+                and self._owns(p) and not self._rounds_from_global_rng(p))
+
+    def _rounds_from_global_rng(self, p: Tensor) -> bool:
+        """torchao's stochastic rounding (small tensors, or any without the fused kernel) draws from the global RNG;
+        the fused kernel's Philox counters depend on the step and the value's place only."""
+        sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+        return sr and (self._fused is None or p not in self._states.place)
 
     def _accumulate(self, p: Tensor) -> None:
         """A micro-batch before the last: big tensors' gradients sum in pinned memory with `offload_gradients` (data
@@ -252,8 +303,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             self._plan.merged = S.record(S.h2d)
 
     # ------------------------------------------------------------------ updates
-    def _take(self, p: Tensor, grad_ready, *, hold: bool) -> Update:
-        """`p`'s update as of now: its step counted, learning rate and gradient taken (`p.grad` becomes None)."""
+    def _take(self, p: Tensor, grad_ready, *, hold: bool, speculative: bool = False) -> Update:
+        """`p`'s update as of now: its step counted, learning rate and gradient taken (`p.grad` becomes None). A
+        streamed tensor's update writes the other bank of states, made current now, or for a speculative update when
+        the step commits (`step()`). The clip coefficient: applied to a host gradient by its update, or to a device
+        gradient during a redo (exact clipping scales device gradients in place before)."""
         group, st = self._group_of[p], self.state[p]
         st["step"] += 1
         step = st["step"].clone()  # read when each kernel launches; never mutated afterwards
@@ -263,12 +317,21 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
         args = (lr, group["betas"][0], group["betas"][1], group["weight_decay"], group["eps"], sr)
         grad, p.grad = p.grad, None
-        return Update(p, grad, grad_ready, step, args, self._plan.clip_coef if grad is None else None, hold)
+        coef = self._plan.clip_coef if grad is None else self._plan.redo_coef
+        banks = self._states.banks_of(p) if p in self._states.offset else (0, 0)
+        if not speculative and p in self._states.offset:
+            self._states.commit(p)
+        return Update(p, grad, grad_ready, step, args, coef, hold, banks=banks, speculative=speculative)
 
     def _launch(self, u: Update) -> None:
         """Queue the copies and the update of a taken update (`_publish` then marks its unit's next forward ready)."""
-        with self._residency(u.p, self._streams.update):
+        S = self._streams
+        with self._residency(u.p, S.update):
+            if u.speculative:
+                self._spec.before_update(u.p, S.update)
             self._pipeline.queue(u, self._norm_in_update(u.p))
+        if self._spec is not None and u.p in self._states.offset:
+            self._spec.updated(u.p, S.record(S.update))
 
     def _publish(self, p: Tensor) -> None:
         if self._shard is None:
@@ -291,13 +354,23 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ clip / step
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, redo=None) -> Tensor:
         """Global-norm clipping with `torch.nn.utils.clip_grad_norm_`'s arithmetic, over gradients on the
-        device and those waiting on the host. Call after backward, before `step()`. Returns the norm."""
+        device and those waiting on the host. Call after backward, before `step()`. Returns the norm.
+
+        `redo` (needed with `speculative=True`): a function that runs the step's forward and backward again (every
+        micro-batch of it, the earlier ones inside `no_update()`). When the updates already ran in backward and the
+        norm clips, they are undone, the global RNG is put back as it was at the step's first forward, and `redo()`
+        runs with each update applying the clip coefficient."""
         if norm_type != 2.0:
             raise ValueError("only the L2 norm (norm_type=2) is supported")
         self._schedule.launch_deferred()
-        if self._plan.updated and math.isfinite(max_norm):
+        speculated = self._spec is not None and any(p in self._states.offset for p in self._plan.updated)
+        if speculated and math.isfinite(max_norm) and redo is None:
+            raise ValueError("speculative clipping: updates ran during backward before the norm was known; pass "
+                             "clip_grad_norm_(max_norm, redo=fn), fn running this step's forward and backward again, "
+                             "so that a step that clips can be redone (or construct with speculative=False)")
+        if self._plan.updated and math.isfinite(max_norm) and not speculated:
             raise RuntimeError(
                 "updates already ran during backward (update_in_backward=True), so gradients cannot be "
                 "clipped any more. Construct with update_in_backward=False to clip by global norm, or set "
@@ -310,12 +383,77 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         if not norms:
             return torch.tensor(0.0, device=self.device)
         total = global_norm(norms)
+        if speculated and math.isfinite(max_norm):
+            return self._validate(total, max_norm, redo)
         if math.isfinite(max_norm) and not self._plan.updated:
             torch.nn.utils.clip_grads_with_norm_(on_device, max_norm, total)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             self._plan.clip_coef = coef.to(self.device)
             self._streams.keep_alive(self._plan.clip_coef, self._streams.update)  # read by the updates
+            if self._spec is not None:  # (the policy counts exact steps too, to know when to speculate again)
+                clipped, finite = self._clip_fired(total, coef)
+                self._spec.count(clipped=clipped, redone=False, exact=True, finite=finite)
         return total
+
+    @staticmethod
+    def _clip_fired(total: Tensor, coef: Tensor) -> tuple[bool, bool]:
+        """(whether clipping changes the gradients, whether the norm is finite): the step's one device sync. The
+        same test as exact clipping's arithmetic: a coefficient of exactly 1 multiplies every gradient unchanged."""
+        t, c = torch.stack([total.float(), coef.float()]).tolist()
+        finite = math.isfinite(t)
+        return finite and c < 1.0, finite
+
+    def _validate(self, total: Tensor, max_norm: float, redo) -> Tensor:
+        """Speculative clipping, once the norm is known: keep the step, or undo it and (a finite norm) redo it."""
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        clipped, finite = self._clip_fired(total, coef)
+        if finite and not clipped:  # the common case: the updates stand, committed by step()
+            self._spec.count(clipped=False, redone=False, exact=False)
+            return total
+        self._rollback()
+        if not finite:  # skipped, as exact clipping skips it
+            self._skip = True
+            self._spec.count(clipped=False, redone=False, exact=False, finite=False)
+            return total
+        S = self._streams
+        self._plan.redo_coef = self._plan.clip_coef = coef.to(self.device)  # (clip_coef: host gradients' updates)
+        S.keep_alive(self._plan.redo_coef, S.update)
+        self._spec.replay_rng()
+        self._redoing = True
+        try:
+            with torch.enable_grad():
+                redo()
+        finally:
+            self._redoing = False
+            self._plan.redo_coef = None
+        # what waited for the norm (small tensors, states on the GPU) is clipped in place, as exact clipping does
+        self._host_grads.flush()
+        on_device = [p for p in self._schedule.norm_order if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(on_device, max_norm, total)
+        self._spec.count(clipped=True, redone=True, exact=False)
+        return total
+
+    def _rollback(self) -> None:
+        """Undo this step's speculative updates: the weights back from their backups (queued on the update stream
+        after the updates being undone; each unit's next forward waits for it), the step counts back, the states'
+        other bank left uncommitted; every gradient of the step dropped."""
+        S = self._streams
+        for p in self._schedule.norm_order:
+            if p not in self._plan.updated:
+                continue
+            if self._owns(p):
+                with self._residency(p, S.update):
+                    self._spec.restore(p, S.update)
+                self.state[p]["step"] -= 1
+            self._publish(p)  # (data parallel: the owner's restored weights to every rank)
+        for p in self._params:
+            p.grad = None
+        plan = self._plan
+        plan.updated.clear()
+        plan.norms.clear()
+        plan.sumsq.clear()
+        plan.reduced.clear()
+        self._host_grads.sums.clear()
 
     def _norms(self) -> dict:
         """Each tensor's gradient norm, in the model's order: measured in backward, summed by the fused updates, or
@@ -357,7 +495,10 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._schedule.launch_deferred()
         if self._skip:  # weights and states stay as they are; gradients (device or host) are dropped
             self._skip = False
+            if self._spec is not None and self._plan.updated:
+                self._rollback()
             self._drop_gradients()
+            self._end_speculative_step()
             return loss
         self._ensure_states()
         S = self._streams
@@ -371,8 +512,34 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             S.update.wait_event(grads_final)  # the clip coefficient and in-place clipped gradients come from there
             self._queue_step(pending, grads_final, defer=waited and self._shard is None)
         self._schedule.fired = set()
+        self._end_speculative_step()
         self._finish_step(waited)
         return loss
+
+    def _end_speculative_step(self) -> None:
+        """Commit the step's speculative (or redone) updates: their bank of states becomes current."""
+        if self._spec is None:
+            return
+        for p in self._plan.updated:
+            if p in self._states.offset and self._owns(p):
+                self._states.commit(p)
+        self._spec.exact_this_step = False
+
+    def _start_speculative_step(self) -> None:
+        """A step's first forward: the global RNG its redo would replay, and the backups of the resident tensors'
+        weights, queued now (last layer first, as backward updates them) so that they copy beside this forward.
+        Where some of the last step's updates of streamed tensors are still to be queued (it clipped exactly), each
+        backup is taken just before its update instead, which then comes after them."""
+        spec = self._spec
+        if not spec.speculating:
+            return
+        spec.snapshot_rng()
+        spec.backed.clear()
+        if any(u.p in self._states.offset for u in self._schedule.deferred):
+            return
+        for p in reversed(self._schedule.norm_order):
+            if p in self._states.offset and self._speculates(p) and not self._swapped(p):
+                spec.backup(p)
 
     def _pending(self) -> list[Tensor]:
         """The tensors step() updates: those with a gradient (device or host) not updated in backward -- with data
@@ -468,7 +635,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         for sid, saved_st in state_dict["state"].items():
             p = idmap[sid]
             if self._owns(p):  # data parallel: another rank's share (a merged or unsharded checkpoint) is skipped
-                self._load_tensor_state(self.state[p], saved_st)
+                self._load_tensor_state(self.state[p], saved_st)  # (into the current bank)
         for g, s in zip(groups, saved):
             for key, val in s.items():
                 if key != "params":  # torchao's lr tensor, or one moved by accelerate: a number again

@@ -15,18 +15,21 @@ def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool
              activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
              resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
              block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1, fused_update: bool = True,
-             device_states: float = 0, save_shard: int = 0, wb: int = 2) -> dict:
+             device_states: float = 0, save_shard: int = 0, wb: int = 2, speculative: bool = False) -> dict:
     """Memory of one micro-batch of `batch` x `seq` tokens; traffic and time of one optimizer step of `accum`
     micro-batches. Data parallel over `ranks` processes (`node_ranks` of them on this host): each holds 1/ranks of
     the states; GPU figures are per process, host figures per node. `device_states`: bytes of 8-bit states kept on
     the GPU (their tensors' gradients are never offloaded either). `wb`: bytes per value of the model's dtype (weights,
-    gradients, activations: 2 for bf16, 4 for float32); the 8-bit states are 2 bytes per value whatever it is."""
+    gradients, activations: 2 for bf16, 4 for float32); the 8-bit states are 2 bytes per value whatever it is.
+    `speculative` (with `clip`): speculative clipping, on the steps whose clip does not fire (a redone step runs its
+    micro-batches twice); the GPU must also hold exact clipping's step, which it falls back to."""
     L = shape.layers
     x = SimpleNamespace(shape=shape, params=params, batch=batch, seq=seq, clip=clip, og=offload_gradients,
                         act=activation_offload, loss_chunk=loss_chunk, chunk_numel=chunk_numel, inflight=inflight,
                         m=machine, swap_slots=swap_slots, lora=lora, weight_bits=weight_bits, block=block, accum=accum,
                         ranks=ranks, node_ranks=node_ranks, fused_update=fused_update, device_states=device_states,
-                        save_shard=save_shard, wb=wb, T=batch * seq, swapped=L - (L if resident is None else resident))
+                        save_shard=save_shard, wb=wb, T=batch * seq, swapped=L - (L if resident is None else resident),
+                        spec=speculative and clip and not lora)
     _weights(x)
     _gpu_held(x)
     _gpu_phase(x)
@@ -129,8 +132,11 @@ def _host(x) -> None:
     the host peak adds each process's base RSS and a save's shard."""
     x.states = x.all_states - x.device_states if not x.lora else 0  # this process's, streamed
     x.host_grads = x.wb * x.params / x.ranks - x.device_grads if x.og and not x.lora else 0
+    # speculative clipping: a second bank of states, and the weights' backups in the spare buffer (host gradients')
+    x.backups = x.wb * x.params / x.ranks - x.device_grads if x.spec else 0
     x.host_acts = x.shape.layers * x.ckpt_per_layer if x.act else 0
-    x.pinned = x.node_ranks * (x.states + x.host_grads + x.host_acts + x.swapped * x.layer_bytes)
+    spare = max(x.host_grads, x.backups)
+    x.pinned = x.node_ranks * (x.states * (2 if x.spec else 1) + spare + x.host_acts + x.swapped * x.layer_bytes)
     x.host = x.node_ranks * x.m.host_base_gib * GiB + x.pinned + x.save_shard  # (one process saves)
 
 
@@ -144,9 +150,10 @@ def _traffic(x) -> None:
     # host gradients: each micro-batch but the last adds into the host sum (H2D of the sum from the 2nd on, D2H);
     # the last reads it back; with clipping the total goes out once more and comes back for the update
     x.host_sums = x.accum > 1  # (data parallel: each owner sums the means of its share)
-    grad_moves = ((x.accum - 1 if x.host_sums else 0) + (1 if x.clip else 0)) * x.host_grads
+    # speculative clipping: no gradient waits for the norm; each streamed weight is backed up (D2H) once per step
+    grad_moves = ((x.accum - 1 if x.host_sums else 0) + (1 if x.clip and not x.spec else 0)) * x.host_grads
     x.h2d = x.states + grad_moves + x.accum * x.host_acts + swap_h2d
-    x.d2h = x.states + grad_moves + x.accum * x.host_acts + swap_d2h
+    x.d2h = x.states + grad_moves + x.accum * x.host_acts + swap_d2h + x.backups
 
 
 def _time(x) -> None:
@@ -167,7 +174,7 @@ def _time(x) -> None:
     x.t_cpu = x.n_chunks * m.cpu_s_per_chunk * max(0.0, 1 - t_micro / 1.1) if not x.lora else 0.0
     if x.lora:
         step = t_compute
-    elif x.clip:
+    elif x.clip and not x.spec:
         # the update waits for the global norm: after backward, states (and host gradients) cross PCIe -- and the
         # swapped layers, fetched for the forward that waits for their updates; only that forward (~1/4 of a
         # micro-batch) overlaps them (8B at 12 GiB, 26 of 32 layers swapped: 1.685 s measured, 1.649 s by this)
@@ -194,9 +201,9 @@ def _with_copies(x, step: float) -> float:
     if x.act:
         step += x.accum * max(0.0, x.host_acts / (m.d2h_gb_s * 1e9) - t_micro / 4)  # copies beyond overlap
     copies_s = max(x.h2d / (m.h2d_gb_s * 1e9), x.d2h / (m.d2h_gb_s * 1e9))  # the busier direction
-    if x.swapped or (x.host_sums and x.host_grads):
-        # the copy engines are busy for (states, host gradients, layers, activations) each way: the step is at
-        # least as long as the busier direction
+    if x.swapped or (x.host_sums and x.host_grads) or x.spec:
+        # the copy engines are busy for (states, host gradients, layers, activations, backups) each way: the step
+        # is at least as long as the busier direction
         step = max(step, copies_s)
     # One thread queues every kernel of the step and, from backward's hooks, every chunk update: on small
     # micro-batches that, not the GPU, sets the pace (3B at 1 x 2048, natively too)

@@ -55,6 +55,8 @@ def plan_from_args(args, config, seq: int, *, host_gb: float | None = None, gpu_
                 bool(getattr(args, "activation_offload", False)),
                 offload_gradients=getattr(args, "offload_gradients", None) if gpu else
                 bool(getattr(args, "offload_gradients", False)),
+                speculative=getattr(args, "speculative_clipping", None) if gpu else
+                bool(getattr(args, "speculative_clipping", False)),
                 layer_swap=layer_swap_setting(getattr(args, "layer_swap", "off")), lora_params=lora, weight_bits=bits,
                 accum=max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1)), ranks=ranks or 1,
                 node_ranks=node_ranks, save_shard_bytes=min(SAVE_SHARD_BYTES, saved), weight_bytes=wb)

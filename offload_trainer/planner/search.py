@@ -19,7 +19,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
          offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
          lora_params: int = 0, weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
          fused_update: bool = True, device_states: str | float = 0, save_shard_bytes: int = 0,
-         weight_bytes: int = 2, machine: Machine = Machine()) -> Plan:
+         weight_bytes: int = 2, speculative: bool | None = None, machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
 
     `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
@@ -35,6 +35,8 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     writes it; `plan_from_args` counts one `SAVE_SHARD_BYTES` shard, or the whole weights when smaller).
     `device_states`: GiB of 8-bit states kept on the GPU (`StreamedAdamW8bit(device_state_bytes=)`), or "auto" (with a
     GPU budget): see `_with_device_states`.
+    `speculative`: speculative clipping (with `max_grad_norm`): None takes it where it is faster and the host budget
+    has room (`_with_speculation`); True insists; False clips exactly.
 
     Raises PlanError, naming the knob to change, when none fits.
     """
@@ -66,6 +68,10 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
             tried[-1] = p = _with_device_states(p, functools.partial(est, batch=batch, seq=seq, **switches), shape, n,
                                                 gpu_usable, gpu_memory_limit_gb)
         if p.fits:
+            if clip and not lora_params:
+                p = _with_speculation(p, functools.partial(est, batch=batch, seq=seq, **switches,
+                                                           device_states=p.device_state_gib * GiB),
+                                      host_usable, host_memory_gb, speculative)
             p.notes += _notes(p, e, shape, weight_bytes)
             return p
     raise PlanError(_advice(tried, est, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb, machine,
@@ -115,12 +121,45 @@ def _with_device_states(p: Plan, est, shape: ModelShape, n: int, gpu_usable: flo
     return dataclasses.replace(p, device_state_gib=want / GiB, **_predicted(e2), device_states_scope=scope)
 
 
+def _with_speculation(p: Plan, est, host_usable: float, host_gb: float | None, speculative: bool | None) -> Plan:
+    """Speculative clipping where it pays: updates during backward, a step that clips rolled back and redone. It
+    needs streamed states (nothing to wait for otherwise), one process, the spare host buffer free for backups (not
+    holding gradient sums between micro-batches) and host memory for a second bank of states and the backups; taken
+    when its step (one that does not clip) is faster than exact clipping's. `speculative=True` insists (an error
+    naming why it cannot run), False never takes it."""
+    if speculative is False:
+        return p
+    why_not = None
+    if p.ranks > 1:
+        why_not = "data parallel runs clip exactly (speculation is single-process)"
+    elif p.accum > 1 and p.offload_gradients:
+        why_not = ("gradient sums between micro-batches wait in the host buffer speculation keeps its backups in, so "
+                   "steps clip exactly")
+    elif p.device_states_scope == "all":
+        why_not = "every 8-bit state is on the GPU: no update waits for PCIe, exact clipping is as fast"
+    e = est(speculative=True) if why_not is None else None
+    if e is not None and e["host"] > host_usable:
+        why_not = (f"speculative clipping needs {e['host'] / GiB:.1f} GiB of host memory (a second bank of 8-bit states "
+                   f"and the weights' backups), {host_gb:.1f} GiB are available")
+    if why_not is not None:
+        if speculative:
+            raise PlanError(f"speculative_clipping: true cannot run: {why_not}. Set speculative_clipping: false "
+                            f"(exact clipping)" + (" or add host memory" if e is not None else ""))
+        p.notes.append(f"exact clipping: {why_not}")
+        return p
+    if not speculative and e["step"] >= p.step_s:
+        p.notes.append(f"exact clipping: its step ({p.step_s:.2f} s) is as fast as speculative clipping's "
+                       f"({e['step']:.2f} s) here: few states wait for PCIe after backward")
+        return p
+    return dataclasses.replace(p, speculative_clipping=True, exact_step_s=p.step_s, **_predicted(e))
+
+
 def _notes(p: Plan, e: dict, shape: ModelShape, weight_bytes: int) -> list[str]:
     """What the chosen plan costs that its figures do not say, and what would be faster."""
     notes = []
     swapped = p.resident_layers < p.layers
-    swapped_clip = swapped and p.clip and not p.lora_params
-    if p.clip and p.offload_gradients and not swapped_clip:
+    swapped_clip = swapped and p.clip and not p.lora_params and not p.speculative_clipping
+    if p.clip and p.offload_gradients and not swapped_clip and not p.speculative_clipping:
         notes.append("exact clipping with offloaded gradients moves 4 bytes/param after backward; "
                      "max_grad_norm: 0 updates during backward instead (faster, no clipping)")
     if p.accum > 1 and p.offload_gradients:

@@ -24,6 +24,8 @@ class Plan:
     resident_layers: int = 0  # decoder layers kept on the GPU; the others are swapped (layer_swap)
     device_state_gib: float = 0.0  # 8-bit states kept on the GPU (the first tensors: the input embedding)
     device_states_scope: str = ""  # whose ('auto'): "embedding" (the input embedding's), "first" (and the next), "all"
+    speculative_clipping: bool = False  # clip: updates during backward, a step that clips rolled back and redone
+    exact_step_s: float = 0.0  # with speculative clipping: exact clipping's step time, which it falls back to
     layers: int = 0
     gpu_peak_gib: float = 0.0  # predicted torch.cuda.max_memory_reserved
     gpu_allocated_gib: float = 0.0
@@ -53,9 +55,15 @@ class Plan:
             self.device_states_scope, "the model's first tensors'")
         return row + f"; {self.device_state_gib:.2f} GiB of them ({whose}) kept on the GPU"
 
+    def _updates_row(self) -> str:
+        if self.speculative_clipping:
+            return (f"during backward, clipped speculatively (a step whose clip fires is rolled back and run again; "
+                    f"while most steps clip, exact clipping: {self.exact_step_s:.2f} s per step)")
+        return "after backward, exact clipping" if self.clip else "during backward (no clipping)"
+
     def _gradients_row(self) -> str:
-        waits = [w for w, on in (("between micro-batches", self.accum > 1), ("until the norm is known", self.clip))
-                 if on]
+        waits = [w for w, on in (("between micro-batches", self.accum > 1),
+                                 ("until the norm is known", self.clip and not self.speculative_clipping)) if on]
         if not waits:
             return "freed as used"
         return ("pinned CPU memory " if self.offload_gradients else "on the GPU ") + " and ".join(waits)
@@ -74,7 +82,7 @@ class Plan:
         else:
             rows += [
                 ("optimizer", self._optimizer_row()),
-                ("updates", "after backward, exact clipping" if self.clip else "during backward (no clipping)"),
+                ("updates", self._updates_row()),
                 ("gradients", self._gradients_row()),
             ]
         rows += [

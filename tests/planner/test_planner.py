@@ -75,9 +75,11 @@ def test_auto_device_states_keep_the_embedding_when_the_budget_has_room():
     # exact clipping: the other gradients wait on the host, the embedding's would stay on the GPU with its states
     # (made at the end of backward, after the peak): 22.2 + 0.99 GiB is over 24 less the context and the margin;
     # at 25 GiB there is room, and the step moves less over PCIe
-    clip = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0, device_states="auto")
+    clip = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0, device_states="auto",
+                speculative=False)
     assert clip.offload_gradients and clip.device_state_gib == 0
-    roomy = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=25, max_grad_norm=1.0, device_states="auto")
+    roomy = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=25, max_grad_norm=1.0, device_states="auto",
+                 speculative=False)
     assert roomy.offload_gradients and roomy.device_state_gib == pytest.approx(emb / GiB)
     assert roomy.gpu_peak_gib == pytest.approx(clip.gpu_peak_gib + emb / GiB)  # its gradient comes after the peak
     assert roomy.step_s < clip.step_s and roomy.pcie_gb_per_step < clip.pcie_gb_per_step
@@ -145,7 +147,8 @@ def test_memory_breakdown_adds_up_to_the_peak(kw):
 
 
 def test_exact_clipping_on_24gib_chooses_gradient_offload():
-    p = plan(architecture_config("llama3-8b"), batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0)
+    p = plan(architecture_config("llama3-8b"), batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0,
+             speculative=False)
     assert p.clip and p.offload_gradients  # 15 GiB of weights + 15 GiB of gradients cannot both stay
     assert p.pcie_gb_per_step == pytest.approx(2 * (2 * 8_030_261_248 * (1 + 4 / 256) + 2 * 8_030_261_248) / 1e9)
 
@@ -332,7 +335,7 @@ def test_exact_clipping_with_layer_swap_waits_for_swapped_layers_in_the_next_for
     swapped: 1.685 s measured, 1.65 s predicted, run 20261130-s18b)."""
     cfg = architecture_config("qwen2.5-14b")
     kw = dict(batch=8, seq=2048, gpu_memory_limit_gb=None, max_grad_norm=1.0, activation_offload=True,
-              offload_gradients=True)
+              offload_gradients=True, speculative=False)
     p, one_more = plan(cfg, layer_swap=17, **kw), plan(cfg, layer_swap=16, **kw)
     layer_bytes = 2 * ModelShape.from_config(cfg).layer_params
     states, grads = 2 * p.params * (1 + 4 / 256), 2 * p.params
@@ -439,3 +442,39 @@ def test_the_host_ram_refusal_reads_as_a_sentence():
         plan(architecture_config("llama3-70b"), batch=1, seq=2048, gpu_memory_limit_gb=24, host_memory_gb=23.5,
              layer_swap=None, max_grad_norm=0)
     assert "but 23.5 GiB are available. Use more RAM, or LoRA." in str(e.value)
+
+
+def test_speculative_clipping_where_the_host_has_room_and_exact_clipping_where_it_has_not():
+    """8B, 4 x 2048 on 24 GiB with max_grad_norm 1.0: speculative clipping runs at the step of updates in backward
+    and takes a second bank of 8-bit states and the weights' backups (2 bytes/param) more host memory than exact
+    clipping, whose gradient buffer it uses for them; D2H carries the backups instead of gradients both ways. On a
+    64 GB machine (52 GiB for the run) it is chosen; with 40 GiB exact clipping runs, and the plan says why."""
+    cfg, n = architecture_config("llama3-8b"), 8_030_261_248
+    kw = dict(batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0)
+    exact = plan(cfg, host_memory_gb=52, speculative=False, **kw)
+    spec = plan(cfg, host_memory_gb=52, **kw)
+    none = plan(cfg, host_memory_gb=52, **{**kw, "max_grad_norm": 0})
+    states = 2 * n * (1 + 4 / 256)
+    assert spec.speculative_clipping and not exact.speculative_clipping and spec.offload_gradients
+    assert spec.host_peak_gib == pytest.approx(exact.host_peak_gib + states / GiB) and spec.host_peak_gib < 52
+    assert spec.gpu_peak_gib == exact.gpu_peak_gib  # the fallback to exact clipping must fit too
+    assert spec.step_s == pytest.approx(none.step_s) and spec.exact_step_s == pytest.approx(exact.step_s)
+    assert spec.step_s < 0.85 * exact.step_s
+    assert spec.pcie_gb_per_step == pytest.approx((2 * states + 2 * n) / 1e9)  # states both ways, backups out
+    assert "clipped speculatively" in spec.table() and f"exact clipping: {exact.step_s:.2f} s" in spec.table()
+    tight = plan(cfg, host_memory_gb=40, **kw)
+    assert not tight.speculative_clipping and tight.host_peak_gib == pytest.approx(exact.host_peak_gib)
+    assert any("speculative clipping needs" in n and "40.0 GiB are available" in n for n in tight.notes)
+    with pytest.raises(PlanError, match="speculative_clipping: false"):
+        plan(cfg, host_memory_gb=40, speculative=True, **kw)
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(ranks=2), "data parallel"),
+    (dict(batch=1, accum=4, offload_gradients=True), "gradient sums between micro-batches"),
+    (dict(cfg="llama3.2-3b"), "as fast as speculative clipping"),  # its gradients and most states on the GPU
+])
+def test_exact_clipping_where_speculation_cannot_help(kw, why):
+    kw = {"batch": 4, "seq": 2048, "gpu_memory_limit_gb": 24, "max_grad_norm": 1.0, "device_states": "auto", **kw}
+    p = plan(architecture_config(kw.pop("cfg", "llama3-8b")), **kw)
+    assert not p.speculative_clipping and any(why in n for n in p.notes)
