@@ -219,7 +219,9 @@ class OffloadMixin:
             norm = self._offload_opt.clip_grad_norm_(self.args.max_grad_norm, redo=redo)
         finally:
             self._step_batches = []
-        if self._check_nonfinite and not math.isfinite(norm.item()):  # one sync per optimizer step
+        # one sync per optimizer step (none more where the optimizer read the norm already)
+        value = self._offload_opt.last_norm
+        if self._check_nonfinite and not math.isfinite(norm.item() if value is None else value):
             self._nonfinite_step()
         return norm
 

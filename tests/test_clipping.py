@@ -33,7 +33,8 @@ def test_speculative_clipping_trains_as_exact_clipping(tmp_path, accum, caplog):
     assert spec._offload_opt.speculative and not exact._offload_opt.speculative
     for key in ("loss", "grad_norm", "learning_rate"):
         assert [h[key] for h in a] == [h[key] for h in b], key
-    assert 0 < sum(h["grad_norm"] > max_norm for h in a) < len(a)
+    fired = [max_norm / (h["grad_norm"] + 1e-6) < 1 for h in a]  # (torch's coefficient under 1)
+    assert 0 < sum(fired) < len(a)
     for (name, x), y in zip(exact.model.state_dict().items(), spec.model.state_dict().values()):
         assert torch.equal(x, y), name
     sa, sb = exact.optimizer.state_dict(), spec.optimizer.state_dict()
@@ -41,7 +42,7 @@ def test_speculative_clipping_trains_as_exact_clipping(tmp_path, accum, caplog):
         assert all(torch.equal(getattr(x[k], "codes", x[k]), getattr(y[k], "codes", y[k]))
                    for k in ("exp_avg", "exp_avg_sq"))
     # the log: the share of steps whose clip fired, and how many were redone / clipped exactly
-    assert [h["clip_rate"] for h in b] == [float(h["grad_norm"] > max_norm) for h in a]
+    assert [h["clip_rate"] for h in b] == [float(f) for f in fired]
     counts = spec._offload_opt.clip_counts
     assert sum(h["redone_steps"] for h in b) == counts["redone"] >= 1
     assert sum(h["exact_clip_steps"] for h in b) == counts["exact"]

@@ -226,7 +226,7 @@ def test_speculative_clipping_of_swapped_layers_equals_exact_clipping_unswapped(
     ref_opt.synchronize()
     opt.synchronize()
     swap.synchronize()
-    clipped = sum(n > max_norm for n in ref_norms)
+    clipped = sum(max_norm / (n + 1e-6) < 1 for n in ref_norms)  # (torch's coefficient under 1)
     assert 0 < clipped < len(batches) and opt._spec.counts["redone"] == clipped
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b.to(device)), name

@@ -54,6 +54,7 @@ class Schedule:
         self.covered_by: dict[int, int] = {}  # unit whose forward never runs -> the unit whose wait covers it
         self.launch_ahead = LAUNCH_AHEAD
         self.on_step_start = None  # called at a step's first forward with grad (speculative clipping's backups)
+        self.on_forward = None  # called with each unit a forward with grad reaches (they are queued as it goes)
         self.norm_order = params  # clip_grad_norm_(model.parameters()) sums per-tensor norms in the model's order
 
     def attach(self, model: nn.Module, units: list[nn.Module] | None, owned: set, on_grad_ready) -> None:
@@ -93,6 +94,8 @@ class Schedule:
                 if not self.fired and self.on_step_start is not None:
                     self.on_step_start()  # (the first training forward since the last step())
                 self.fired.add(unit)
+                if self.on_forward is not None and torch._C._current_autograd_node() is None:
+                    self.on_forward(unit)  # (a forward, not a recompute in backward)
             self.launch_deferred(unit)
             self.stall.wait(self.S.compute(), self.unit_event.get(unit))
 

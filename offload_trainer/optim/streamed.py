@@ -33,6 +33,7 @@ from ..distributed import Sharding
 from ..streams import StallMeter, Streams
 from . import kernel
 from .grads import HostGradients
+from .host_read import read_floats
 from .pipeline import Backlog, StepPlan, Update, UpdatePipeline
 from .schedule import LAUNCH_AHEAD, Schedule
 from .sharded import ShardedUpdates
@@ -124,9 +125,11 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._residency = _always_resident
         self._swapped = lambda p: False
         self._accumulating = self._skip = self._redoing = False
+        self.last_norm: float | None = None
         self._spec = Speculation(self._states, S, self.stats, self.device, clip_policy) if speculative else None
         if speculative:
             self._schedule.on_step_start = self._start_speculative_step
+            self._schedule.on_forward = self._forward_reached
 
     @property
     def speculative(self) -> bool:
@@ -364,6 +367,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         runs with each update applying the clip coefficient."""
         if norm_type != 2.0:
             raise ValueError("only the L2 norm (norm_type=2) is supported")
+        self.last_norm = None  # (the norm as a Python float, where this call read it on the host anyway)
         self._schedule.launch_deferred()
         speculated = self._spec is not None and any(p in self._states.offset for p in self._plan.updated)
         if speculated and math.isfinite(max_norm) and redo is None:
@@ -395,11 +399,12 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 self._spec.count(clipped=clipped, redone=False, exact=True, finite=finite)
         return total
 
-    @staticmethod
-    def _clip_fired(total: Tensor, coef: Tensor) -> tuple[bool, bool]:
-        """(whether clipping changes the gradients, whether the norm is finite): the step's one device sync. The
-        same test as exact clipping's arithmetic: a coefficient of exactly 1 multiplies every gradient unchanged."""
-        t, c = torch.stack([total.float(), coef.float()]).tolist()
+    def _clip_fired(self, total: Tensor, coef: Tensor) -> tuple[bool, bool]:
+        """(whether clipping changes the gradients, whether the norm is finite): the step's one device sync, its norm
+        kept as `last_norm`. The same test as exact clipping's arithmetic: a coefficient of exactly 1 multiplies every
+        gradient unchanged."""
+        t, c = read_floats(torch.stack([total.float(), coef.float()]))
+        self.last_norm = t
         finite = math.isfinite(t)
         return finite and c < 1.0, finite
 
@@ -526,20 +531,25 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._spec.exact_this_step = False
 
     def _start_speculative_step(self) -> None:
-        """A step's first forward: the global RNG its redo would replay, and the backups of the resident tensors'
-        weights, queued now (last layer first, as backward updates them) so that they copy beside this forward.
-        Where some of the last step's updates of streamed tensors are still to be queued (it clipped exactly), each
-        backup is taken just before its update instead, which then comes after them."""
+        """A step's first forward: the global RNG its redo would replay, and which resident tensors' weights are
+        backed up as this forward goes (last layer first, as backward updates them). Where some of the last step's
+        updates of streamed tensors are still to be queued (it clipped exactly), each backup is taken just before
+        its update instead, which then comes after them."""
         spec = self._spec
         if not spec.speculating:
             return
         spec.snapshot_rng()
-        spec.backed.clear()
         if any(u.p in self._states.offset for u in self._schedule.deferred):
+            spec.plan_backups([])
             return
-        for p in reversed(self._schedule.norm_order):
-            if p in self._states.offset and self._speculates(p) and not self._swapped(p):
-                spec.backup(p)
+        spec.plan_backups([p for p in reversed(self._schedule.norm_order)
+                           if p in self._states.offset and self._speculates(p) and not self._swapped(p)])
+
+    def _forward_reached(self, unit: int) -> None:
+        """Backups keep pace with the forward: a share per unit from the second on (the first unit's forward is
+        often followed by a read of the model's own that would wait behind copies queued before it)."""
+        if self._spec.pending:
+            self._spec.pace(unit / max(1, len(self._schedule.units) - 2))
 
     def _pending(self) -> list[Tensor]:
         """The tensors step() updates: those with a gradient (device or host) not updated in backward -- with data

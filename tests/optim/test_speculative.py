@@ -12,7 +12,11 @@ from offload_trainer.optim.speculation import ClipPolicy, Speculation
 from optim_cases import make_pair, rel_l2, run, run_skipping, run_speculative
 from tiny_models import TinyLM, param_groups
 
-NEVER_EXACT = ClipPolicy(to_exact=10**9)  # speculate on every step, so every clipped step is rolled back and redone
+
+
+def clips(norm: float, max_norm: float) -> bool:
+    """Whether clipping changes the gradients: torch's coefficient max_norm / (norm + 1e-6) under 1."""
+    return max_norm / (norm + 1e-6) < 1.0
 
 
 def clip_at_median(accum: int, seed: int = 1, steps: int = 30) -> float:
@@ -48,7 +52,7 @@ def test_equals_exact_clipping_bit_for_bit(accum, offload_gradients):
     ref_losses, ref_norms = run(ref, ref_opt, steps=30, accum=accum, max_norm=max_norm, seed=1, streamed=False,
                                 device="cpu")
     losses, norms = run_speculative(ours, opt, steps=30, accum=accum, max_norm=max_norm, seed=1, device="cpu")
-    clipped = sum(n > max_norm for n in ref_norms)
+    clipped = sum(clips(n, max_norm) for n in ref_norms)
     assert 5 <= clipped <= 25, "the clip must fire on some steps and not on others"
     counts = opt._spec.counts
     if accum > 1 and offload_gradients:  # the sums wait in the buffer the backups use: those steps clip exactly
@@ -223,7 +227,7 @@ def test_gpu_speculative_equals_exact_within_the_run_to_run_spread():
     b, _, lb, nb = gpu_run(False, max_norm)
     c, opt, lc, nc = gpu_run(True, max_norm)
     spread, diff = rel_l2(a, b), rel_l2(a, c)
-    clipped = sum(n > max_norm for n in na)
+    clipped = opt._spec.counts["clipped"]
     print(f"clipped {clipped}/30, redone {opt._spec.counts['redone']}; exact vs exact rel L2 {spread:.2e}, "
           f"speculative vs exact {diff:.2e}; losses {la[-1]:.5f} / {lc[-1]:.5f}")
     assert 5 <= clipped <= 25 and opt._spec.counts["redone"] == clipped
