@@ -21,6 +21,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from step_bench import finish_row, machine  # noqa: E402
 
 
+def expected_speed(fired: list[bool], speculative: float, exact: float) -> float:
+    """Tokens/s of a run whose steps clip as `fired` says, replaying the optimizer's ClipPolicy: a speculative step at
+    `speculative` tok/s (its clip not firing), twice its time when it fires (redone), `exact` tok/s while the policy
+    clips exactly. (The rollback's copy back of the weights overlaps the redo's forward: not counted.)"""
+    from offload_trainer.optim.speculation import ClipPolicy
+
+    policy, seconds = ClipPolicy(), 0.0
+    for f in fired:
+        seconds += 1 / exact if policy.exact else (2 if f else 1) / speculative
+        policy.record(f)
+    return len(fired) / seconds
+
+
 def norms_of(output_dir: str) -> list[float]:
     with open(os.path.join(output_dir, "trainer_state.json")) as f:
         return [h["grad_norm"] for h in json.load(f)["log_history"] if "grad_norm" in h]
@@ -37,6 +50,7 @@ def train(config: str, overrides: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=None, help="one run of this config instead of pretrain + finetune")
+    ap.add_argument("overrides", nargs="*", help="with --config: key=value overrides")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--pretrain-steps", type=int, default=400)
@@ -45,19 +59,23 @@ def main() -> None:
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
     ap.add_argument("--settle", type=int, default=50, help="steps left out of the settled rate")
     ap.add_argument("--work", default="/tmp/fire_rate")
+    ap.add_argument("--speeds", type=float, nargs=2, default=(0.922, 0.707), metavar=("SPECULATIVE", "EXACT"),
+                    help="measured speeds (x native) of a step that does not clip and of exact clipping: the row's "
+                         "expected speed replays the policy on this run's clips (8B on a held 24 GB card, run s36c)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
     import torch
 
     t0 = time.perf_counter()
-    base = ["logging_steps=1", "save_strategy=no", "report_to=none", "eval_fraction=0", f"max_grad_norm={a.max_grad_norm}"]
+    base = ["logging_steps=1", "save_strategy=no", "report_to=none", "eval_fraction=0", "eval_strategy=no",
+            f"max_grad_norm={a.max_grad_norm}"]
     gpu = torch.cuda.is_available()
     dtype = ["torch_dtype=bfloat16"] if gpu else []
     if a.config:
         out = os.path.join(a.work, "run")
-        train(a.config, [*base, *dtype, f"output_dir={out}", "overwrite_output_dir=true"])
-        what, model = a.config, a.config
+        train(a.config, [*base, *dtype, f"output_dir={out}", "overwrite_output_dir=true", *a.overrides])
+        what, model = " ".join([a.config, *a.overrides]), a.config
     else:
         pre, fine = os.path.join(a.work, "pretrained"), os.path.join(a.work, "finetuned")
         shape = (f"model_overrides={{hidden_size: {a.hidden}, intermediate_size: {4 * a.hidden}, "
@@ -73,7 +91,7 @@ def main() -> None:
                                         "overwrite_output_dir=true"])
         out, what, model = fine, "pretrain + finetune", f"tiny-llama {a.hidden}x{a.layers}"
     norms = norms_of(out)
-    fired = [n > a.max_grad_norm for n in norms]
+    fired = [a.max_grad_norm / (n + 1e-6) < 1 for n in norms]  # (torch's clip coefficient under 1)
     settled = fired[a.settle:]
     row = dict(run_id=a.run_id, commit=os.environ.get("COMMIT", "unknown"), machine=machine(), model=model,
                method="full", system="fire_rate", gpus=int(gpu), gpu_cap_gib=None, seq_len=None, micro_batch=None,
@@ -81,6 +99,7 @@ def main() -> None:
                peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None,
                extra=dict(what=what, max_grad_norm=a.max_grad_norm, steps=len(norms), fire_rate=sum(fired) / len(fired),
                           settle=a.settle, fire_rate_settled=sum(settled) / len(settled) if settled else None,
+                          expected_x_native=round(expected_speed(fired, *a.speeds), 3), speeds=list(a.speeds),
                           norms=[round(n, 4) for n in norms], lr=a.lr if not a.config else None,
                           wall_s=round(time.perf_counter() - t0, 1)))
     if gpu:

@@ -56,7 +56,6 @@ def main():
         t_h2d, t_d2h, t_both = timed(h2d, a.reps), timed(d2h, a.reps), timed(both, a.reps)
         out[how] = {"h2d_gb_s": round(n / t_h2d / 1e9, 1), "d2h_gb_s": round(n / t_d2h / 1e9, 1),
                     "both_each_gb_s": round(n / t_both / 1e9, 1), "pinned": bool(h1.is_pinned())}
-        del h1, h2
     print("PCIE " + json.dumps(out), flush=True)
 
 

@@ -12,7 +12,7 @@ from .optim import StreamedAdamW8bit
 from .planner import Machine, PlanError, device_state_setting, layer_swap_setting, plan_from_args
 from .seams import claim_device_map
 from .swap import LayerSwap, decoder_layers
-from .sysinfo import gpu_budget_gib
+from .sysinfo import gpu_budget_gib, host_memory_gib
 
 logger = logging.getLogger("offload_trainer")
 
@@ -37,8 +37,9 @@ def make_plan(trainer) -> None:
     if others:
         logger.info("plan: the reference model holds %.2f GiB of the GPU beside the trained one", others)
     try:
-        trainer._plan = plan_from_args(trainer.args, config, seq, gpu_gb=gpu_gb, lora_params=lora, weight_bits=bits,
-                                       other_models_gib=others)
+        # (the host's RAM too, as the command plans: speculative clipping is chosen only where it has room)
+        trainer._plan = plan_from_args(trainer.args, config, seq, gpu_gb=gpu_gb, host_gb=host_memory_gib(),
+                                       lora_params=lora, weight_bits=bits, other_models_gib=others)
     except (AttributeError, TypeError) as e:  # not a decoder-only LM config the planner knows
         logger.info("no plan: %s", e if isinstance(e, PlanError) else "the model's config has no shape the "
                     "planner reads")
@@ -157,6 +158,10 @@ def streamed_optimizer(trainer, model=None):
         clip = trainer.args.max_grad_norm is not None and trainer.args.max_grad_norm > 0
         accumulate = trainer.args.gradient_accumulation_steps > 1
         speculative = clip and trainer._resolved("speculative_clipping")
+        if speculative and trainer._sharded():
+            raise ConfigError("speculative_clipping: true runs in one process; with several ranks the norm is "
+                              "clipped exactly (updates wait for the global norm): set speculative_clipping: false, or "
+                              "leave it unset")
         offload_grads = trainer._resolved("offload_gradients")
         if trainer._flag("offload_gradients") is None and trainer._swap is not None and trainer._swap.trainable_swapped:
             offload_grads = offload_grads or accumulate  # swapped layers' gradients must not pile up on the GPU

@@ -148,6 +148,35 @@ def test_host_ram_too_small(tmp_path, capsys, monkeypatch, no_model_load):
            "Host RAM: the plans that fit the GPU need", "but 16.0 GiB are available")
 
 
+def test_speculative_clipping_short_of_host_ram(tmp_path, capsys, monkeypatch, no_model_load):
+    import offload_trainer.planner as planner
+
+    monkeypatch.setattr(planner, "host_memory_gib", lambda: 40.0)
+    body = ("model_config: llama3-8b\nmodel_overrides: {}\ngpu_memory_limit_gb: 24\nmax_seq_length: 2048\n"
+            "torch_dtype: bfloat16\nper_device_train_batch_size: 4\nmax_grad_norm: 1.0\n")
+    expect(Case(tmp_path, body + "speculative_clipping: true\n"), capsys, 2, "speculative_clipping: true cannot run",
+           "needs 48.9 GiB of host memory", "Set speculative_clipping: false")
+    # left unset, the plan clips exactly and says why
+    (tmp_path / "unset").mkdir()
+    assert cli.main(["plan", str(Case(tmp_path / "unset", body).config)]) == 0
+    out = capsys.readouterr().out
+    assert "after backward, exact clipping" in out and "speculative clipping needs 48.9 GiB" in out
+
+
+def test_speculative_clipping_with_data_parallel(tmp_path, monkeypatch):
+    from helpers import tiny_setup
+    from offload_trainer import OffloadTrainer, OffloadTrainingArguments
+    from offload_trainer.config import ConfigError
+
+    model, tok, data = tiny_setup()
+    args = OffloadTrainingArguments(output_dir=str(tmp_path), offload_optimizer=True, max_grad_norm=1.0,
+                                    speculative_clipping=True, report_to="none")
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+    monkeypatch.setattr(OffloadTrainer, "_sharded", lambda self: True)  # (as under torchrun with 2 ranks)
+    with pytest.raises(ConfigError, match="speculative_clipping: true runs in one process"):
+        trainer.create_optimizer()
+
+
 def test_disk_too_small(tmp_path, capsys, monkeypatch):
     import offload_trainer.checkpoint as ck
 

@@ -22,7 +22,6 @@ runs with synchronous stand-ins for streams (streams.py). The state dict has tor
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 from torch import Tensor, nn
@@ -32,14 +31,14 @@ from torchao.optim.subclass_8bit import OptimState8bit
 from ..distributed import Sharding
 from ..streams import StallMeter, Streams
 from . import kernel
+from .clipping import GlobalNormClipping
 from .grads import HostGradients
-from .host_read import read_floats
 from .pipeline import Backlog, StepPlan, Update, UpdatePipeline
 from .schedule import LAUNCH_AHEAD, Schedule
 from .sharded import ShardedUpdates
 from .speculation import ClipPolicy, Speculation
 from .states import HostStates
-from .update import adamw8bit_chunk, compile_update, global_norm, grad_norm, roots_of_sums
+from .update import adamw8bit_chunk, compile_update, grad_norm
 
 
 def _always_resident(p: Tensor, stream):
@@ -53,7 +52,7 @@ def _as_float(value) -> float:
     return float(value.detach().cpu()) if isinstance(value, Tensor) else float(value)
 
 
-class StreamedAdamW8bit(torch.optim.Optimizer):
+class StreamedAdamW8bit(GlobalNormClipping, torch.optim.Optimizer):
     """AdamW with 8-bit states in (pinned) CPU memory, updated on the weights' device.
 
     Args mirror torchao `AdamW8bit`; keyword-only flags choose how the update is streamed.
@@ -90,6 +89,9 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
             raise ValueError(f"chunk_numel={chunk_numel} must be a positive multiple of block_size={block_size}")
         if inflight_chunks < 2:
             raise ValueError("inflight_chunks must be >= 2 (one slot copying while another updates)")
+        if speculative and sharding is not None and sharding.world_size > 1:
+            raise ValueError("speculative=True runs in one process: with data parallel, clip exactly "
+                             "(speculative=False)")
         if speculative and update_in_backward:
             raise ValueError("speculative=True clips by global norm with updates in backward; update_in_backward=True "
                              "never clips: choose one")
@@ -269,18 +271,6 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
                 self._spec.backed.pop(p, None)  # its slice of the spare buffer holds its gradient now
             self._plan.host_grad_ready[p] = self._host_grads.offload(p, ready)
 
-    def _speculates(self, p: Tensor) -> bool:
-        """Whether `p`'s update runs in this backward before the norm is known (speculative clipping): a streamed
-        tensor whose rounding does not draw from the global RNG, while the policy speculates."""
-        return (self._spec is not None and self._spec.speculating and p in self._states.offset
-                and self._owns(p) and not self._rounds_from_global_rng(p))
-
-    def _rounds_from_global_rng(self, p: Tensor) -> bool:
-        """torchao's stochastic rounding (small tensors, or any without the fused kernel) draws from the global RNG;
-        the fused kernel's Philox counters depend on the step and the value's place only."""
-        sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
-        return sr and (self._fused is None or p not in self._states.place)
-
     def _accumulate(self, p: Tensor) -> None:
         """A micro-batch before the last: big tensors' gradients sum in pinned memory with `offload_gradients` (data
         parallel: averaged onto their owner first); otherwise autograd sums them on the device."""
@@ -355,134 +345,7 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         (data, dropout), and a run would round differently depending on where it synchronized (a checkpoint)."""
         return u.args[5] and (self._fused is None or u.p not in self._states.place)
 
-    # ------------------------------------------------------------------ clip / step
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, redo=None) -> Tensor:
-        """Global-norm clipping with `torch.nn.utils.clip_grad_norm_`'s arithmetic, over gradients on the
-        device and those waiting on the host. Call after backward, before `step()`. Returns the norm.
-
-        `redo` (needed with `speculative=True`): a function that runs the step's forward and backward again (every
-        micro-batch of it, the earlier ones inside `no_update()`). When the updates already ran in backward and the
-        norm clips, they are undone, the global RNG is put back as it was at the step's first forward, and `redo()`
-        runs with each update applying the clip coefficient."""
-        if norm_type != 2.0:
-            raise ValueError("only the L2 norm (norm_type=2) is supported")
-        self.last_norm = None  # (the norm as a Python float, where this call read it on the host anyway)
-        self._schedule.launch_deferred()
-        speculated = self._spec is not None and any(p in self._states.offset for p in self._plan.updated)
-        if speculated and math.isfinite(max_norm) and redo is None:
-            raise ValueError("speculative clipping: updates ran during backward before the norm was known; pass "
-                             "clip_grad_norm_(max_norm, redo=fn), fn running this step's forward and backward again, "
-                             "so that a step that clips can be redone (or construct with speculative=False)")
-        if self._plan.updated and math.isfinite(max_norm) and not speculated:
-            raise RuntimeError(
-                "updates already ran during backward (update_in_backward=True), so gradients cannot be "
-                "clipped any more. Construct with update_in_backward=False to clip by global norm, or set "
-                "max_grad_norm to 0 / inf."
-            )
-        norms = self._norms()
-        on_device = [p for p in norms if p.grad is not None]  # clip_grads_with_norm_ takes parameters
-        if self._shard is not None:
-            norms = self._shard.gather_norms(norms, self._schedule.norm_order)
-        if not norms:
-            return torch.tensor(0.0, device=self.device)
-        total = global_norm(norms)
-        if speculated and math.isfinite(max_norm):
-            return self._validate(total, max_norm, redo)
-        if math.isfinite(max_norm) and not self._plan.updated:
-            torch.nn.utils.clip_grads_with_norm_(on_device, max_norm, total)
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            self._plan.clip_coef = coef.to(self.device)
-            self._streams.keep_alive(self._plan.clip_coef, self._streams.update)  # read by the updates
-            if self._spec is not None:  # (the policy counts exact steps too, to know when to speculate again)
-                clipped, finite = self._clip_fired(total, coef)
-                self._spec.count(clipped=clipped, redone=False, exact=True, finite=finite)
-        return total
-
-    def _clip_fired(self, total: Tensor, coef: Tensor) -> tuple[bool, bool]:
-        """(whether clipping changes the gradients, whether the norm is finite): the step's one device sync, its norm
-        kept as `last_norm`. The same test as exact clipping's arithmetic: a coefficient of exactly 1 multiplies every
-        gradient unchanged."""
-        t, c = read_floats(torch.stack([total.float(), coef.float()]))
-        self.last_norm = t
-        finite = math.isfinite(t)
-        return finite and c < 1.0, finite
-
-    def _validate(self, total: Tensor, max_norm: float, redo) -> Tensor:
-        """Speculative clipping, once the norm is known: keep the step, or undo it and (a finite norm) redo it."""
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        clipped, finite = self._clip_fired(total, coef)
-        if finite and not clipped:  # the common case: the updates stand, committed by step()
-            self._spec.count(clipped=False, redone=False, exact=False)
-            return total
-        self._rollback()
-        if not finite:  # skipped, as exact clipping skips it
-            self._skip = True
-            self._spec.count(clipped=False, redone=False, exact=False, finite=False)
-            return total
-        S = self._streams
-        self._plan.redo_coef = self._plan.clip_coef = coef.to(self.device)  # (clip_coef: host gradients' updates)
-        S.keep_alive(self._plan.redo_coef, S.update)
-        self._spec.replay_rng()
-        self._redoing = True
-        try:
-            with torch.enable_grad():
-                redo()
-        finally:
-            self._redoing = False
-            self._plan.redo_coef = None
-        # what waited for the norm (small tensors, states on the GPU) is clipped in place, as exact clipping does
-        self._host_grads.flush()
-        on_device = [p for p in self._schedule.norm_order if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(on_device, max_norm, total)
-        self._spec.count(clipped=True, redone=True, exact=False)
-        return total
-
-    def _rollback(self) -> None:
-        """Undo this step's speculative updates: the weights back from their backups (queued on the update stream
-        after the updates being undone; each unit's next forward waits for it), the step counts back, the states'
-        other bank left uncommitted; every gradient of the step dropped."""
-        S = self._streams
-        for p in self._schedule.norm_order:
-            if p not in self._plan.updated:
-                continue
-            if self._owns(p):
-                with self._residency(p, S.update):
-                    self._spec.restore(p, S.update)
-                self.state[p]["step"] -= 1
-            self._publish(p)  # (data parallel: the owner's restored weights to every rank)
-        for p in self._params:
-            p.grad = None
-        plan = self._plan
-        plan.updated.clear()
-        plan.norms.clear()
-        plan.sumsq.clear()
-        plan.reduced.clear()
-        self._host_grads.sums.clear()
-
-    def _norms(self) -> dict:
-        """Each tensor's gradient norm, in the model's order: measured in backward, summed by the fused updates, or
-        measured now (gradients still on the device)."""
-        S = self._streams
-        self._host_grads.flush()
-        if self._shard is not None:
-            S.compute().wait_stream(S.reduced)  # gradients reduced onto their owners, and their norms
-        roots = {}
-        if self._plan.sumsq:  # summed by the fused updates (update stream)
-            S.compute().wait_stream(S.update)
-            order = self._schedule.norm_order
-            roots = roots_of_sums([p for p in order if p in self._plan.sumsq and p not in self._plan.norms],
-                                  self._plan.sumsq)
-        norms = {}
-        for p in self._schedule.norm_order:
-            if p in self._plan.norms:
-                norms[p] = self._plan.norms[p]
-            elif p in roots:
-                norms[p] = roots[p]
-            elif p.grad is not None:
-                norms[p] = grad_norm(p.grad)
-        return norms
-
+    # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure=None):
         """Update every tensor that still has a gradient (on the device or the host).
@@ -520,36 +383,6 @@ class StreamedAdamW8bit(torch.optim.Optimizer):
         self._end_speculative_step()
         self._finish_step(waited)
         return loss
-
-    def _end_speculative_step(self) -> None:
-        """Commit the step's speculative (or redone) updates: their bank of states becomes current."""
-        if self._spec is None:
-            return
-        for p in self._plan.updated:
-            if p in self._states.offset and self._owns(p):
-                self._states.commit(p)
-        self._spec.exact_this_step = False
-
-    def _start_speculative_step(self) -> None:
-        """A step's first forward: the global RNG its redo would replay, and which resident tensors' weights are
-        backed up as this forward goes (last layer first, as backward updates them). Where some of the last step's
-        updates of streamed tensors are still to be queued (it clipped exactly), each backup is taken just before
-        its update instead, which then comes after them."""
-        spec = self._spec
-        if not spec.speculating:
-            return
-        spec.snapshot_rng()
-        if any(u.p in self._states.offset for u in self._schedule.deferred):
-            spec.plan_backups([])
-            return
-        spec.plan_backups([p for p in reversed(self._schedule.norm_order)
-                           if p in self._states.offset and self._speculates(p) and not self._swapped(p)])
-
-    def _forward_reached(self, unit: int) -> None:
-        """Backups keep pace with the forward: a share per unit from the second on (the first unit's forward is
-        often followed by a read of the model's own that would wait behind copies queued before it)."""
-        if self._spec.pending:
-            self._spec.pace(unit / max(1, len(self._schedule.units) - 2))
 
     def _pending(self) -> list[Tensor]:
         """The tensors step() updates: those with a gradient (device or host) not updated in backward -- with data
