@@ -38,18 +38,19 @@ class Cosine:
         self._set()
 
 
-def run(model, opt, *, steps, accum, max_norm, seed, streamed, device, order="model"):
-    """Fresh random batches every micro-step; returns losses and grad norms."""
+def run(model, opt, *, steps, accum, max_norm, seed, streamed, device, order="model", nan_steps=()):
+    """Fresh random batches every micro-step; returns losses and grad norms. A step in `nan_steps` has a NaN loss: the
+    reference skips its update as the Trainer does (its gradients dropped, the schedule goes on)."""
     sched = Cosine(opt, steps)
     gen = torch.Generator().manual_seed(seed)
     losses, norms = [], []
-    for _ in range(steps):
+    for step in range(steps):
         for micro in range(accum):
             ids = torch.randint(0, 128, (4, 17), generator=gen).to(device)
             last = micro == accum - 1
             ctx = opt.no_update() if streamed and not last else contextlib.nullcontext()
             with ctx:
-                loss = model.loss(ids) / accum
+                loss = model.loss(ids) / accum * (float("nan") if step in nan_steps else 1.0)
                 loss.backward()
             losses.append(loss.item())
         if max_norm:
@@ -58,7 +59,8 @@ def run(model, opt, *, steps, accum, max_norm, seed, streamed, device, order="mo
             else:  # without attach(), the streamed optimizer sums norms in param-group order
                 params = [p for g in opt.param_groups for p in g["params"]] if order == "groups" else model.parameters()
                 norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_norm)))
-        opt.step()
+        if streamed or step not in nan_steps:
+            opt.step()
         sched.step()
         opt.zero_grad()
     if streamed:
@@ -89,26 +91,6 @@ def run_speculative(model, opt, *, steps, accum, max_norm, seed, device, nan_ste
         sched.step()
         opt.zero_grad()
     opt.synchronize()
-    return losses, norms
-
-
-def run_skipping(model, opt, *, steps, accum, max_norm, seed, device, nan_steps=()):
-    """`run` with the Trainer's rule for a non-finite norm (torchao's optimizer as the reference): that step's
-    update is skipped, its gradients dropped, the schedule goes on."""
-    sched = Cosine(opt, steps)
-    gen = torch.Generator().manual_seed(seed)
-    losses, norms = [], []
-    for step in range(steps):
-        for micro in range(accum):
-            ids = torch.randint(0, 128, (4, 17), generator=gen).to(device)
-            loss = model.loss(ids) / accum * (float("nan") if step in nan_steps else 1.0)
-            loss.backward()
-            losses.append(loss.item())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        if math.isfinite(norms[-1]):
-            opt.step()
-        sched.step()
-        opt.zero_grad()
     return losses, norms
 
 

@@ -9,7 +9,7 @@ import torch
 
 from offload_trainer.optim import StreamedAdamW8bit
 from offload_trainer.optim.speculation import ClipPolicy, Speculation
-from optim_cases import make_pair, rel_l2, run, run_skipping, run_speculative
+from optim_cases import make_pair, rel_l2, run, run_speculative
 from tiny_models import TinyLM, param_groups
 
 
@@ -97,8 +97,8 @@ def test_a_nonfinite_step_is_rolled_back_and_skipped():
     ref, ref_opt, ours, opt = make_pair("cpu", speculative=True, clip_policy=ClipPolicy(to_exact=10**9))
     opt.attach(ours)
     nan = (3, 4, 11)
-    ref_losses, ref_norms = run_skipping(ref, ref_opt, steps=20, accum=1, max_norm=max_norm, seed=1, device="cpu",
-                                         nan_steps=nan)
+    ref_losses, ref_norms = run(ref, ref_opt, steps=20, accum=1, max_norm=max_norm, seed=1, streamed=False,
+                                device="cpu", nan_steps=nan)
     losses, norms = run_speculative(ours, opt, steps=20, accum=1, max_norm=max_norm, seed=1, device="cpu",
                                     nan_steps=nan)
     assert opt._spec.counts["nonfinite"] == 3
