@@ -23,13 +23,21 @@ def train(tmp_path, name, *, speculative, max_grad_norm, accum=1, steps=12, **kw
     return trainer, [h for h in trainer.state.log_history if "loss" in h]
 
 
-@pytest.mark.parametrize("accum", [1, 2])
-def test_speculative_clipping_trains_as_exact_clipping(tmp_path, accum, caplog):
-    _, free = train(tmp_path, "free", speculative=False, max_grad_norm=1e9, accum=accum)
+SWAP_AND_OFFLOAD = dict(layer_swap="1", activation_offload=True, activation_checkpointing=True)
+
+
+@pytest.mark.parametrize("accum,kw", [(1, {}), (2, {}), (1, SWAP_AND_OFFLOAD)],
+                         ids=["one_micro_batch", "accumulation", "layer_swap_and_activation_offload"])
+def test_speculative_clipping_trains_as_exact_clipping(tmp_path, accum, kw, caplog):
+    """(With layer swap and activation offload: a redo fetches the swapped layers and offloads the checkpoints again,
+    and the rollback restores a swapped layer's weights where it is.)"""
+    _, free = train(tmp_path, "free", speculative=False, max_grad_norm=1e9, accum=accum, **kw)
     max_norm = statistics.median(h["grad_norm"] for h in free)  # about half the steps clip
-    exact, a = train(tmp_path, "exact", speculative=False, max_grad_norm=max_norm, accum=accum)
+    exact, a = train(tmp_path, "exact", speculative=False, max_grad_norm=max_norm, accum=accum, **kw)
     with caplog.at_level(logging.INFO, logger="offload_trainer"):
-        spec, b = train(tmp_path, "spec", speculative=True, max_grad_norm=max_norm, accum=accum)
+        spec, b = train(tmp_path, "spec", speculative=True, max_grad_norm=max_norm, accum=accum, **kw)
+    if kw:
+        assert spec._swap is not None and spec._activations is not None
     assert spec._offload_opt.speculative and not exact._offload_opt.speculative
     for key in ("loss", "grad_norm", "learning_rate"):
         assert [h[key] for h in a] == [h[key] for h in b], key
