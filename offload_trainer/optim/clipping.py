@@ -171,7 +171,8 @@ class GlobalNormClipping:
         updates of streamed tensors are still to be queued (it clipped exactly), each backup is taken just before
         its update instead, which then comes after them."""
         spec = self._spec
-        if not spec.speculating:
+        if not spec.speculating:  # (nothing left to back up from an earlier speculative step)
+            spec.plan_backups([])
             return
         spec.snapshot_rng()
         if any(u.p in self._states.offset for u in self._schedule.deferred):
