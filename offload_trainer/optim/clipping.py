@@ -14,6 +14,11 @@ from .host_read import read_floats
 from .update import global_norm, grad_norm, roots_of_sums
 
 
+def _clip_coef(total: Tensor, max_norm: float) -> Tensor:
+    """The factor `torch.nn.utils.clip_grads_with_norm_` scales gradients by (1: unchanged)."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
 class GlobalNormClipping:
     """`clip_grad_norm_` and the speculative step's life cycle, over the attributes `StreamedAdamW8bit` sets."""
 
@@ -64,7 +69,7 @@ class GlobalNormClipping:
             return self._validate(total, max_norm, redo)
         if math.isfinite(max_norm) and not self._plan.updated:
             torch.nn.utils.clip_grads_with_norm_(on_device, max_norm, total)
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            coef = _clip_coef(total, max_norm)
             self._plan.clip_coef = coef.to(self.device)
             self._streams.keep_alive(self._plan.clip_coef, self._streams.update)  # read by the updates
             if self._spec is not None:  # (the policy counts exact steps too, to know when to speculate again)
@@ -83,7 +88,7 @@ class GlobalNormClipping:
 
     def _validate(self, total: Tensor, max_norm: float, redo) -> Tensor:
         """Speculative clipping, once the norm is known: keep the step, or undo it and (a finite norm) redo it."""
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        coef = _clip_coef(total, max_norm)
         clipped, finite = self._clip_fired(total, coef)
         if finite and not clipped:  # the common case: the updates stand, committed by step()
             self._spec.count(clipped=False, redone=False, exact=False)

@@ -102,13 +102,6 @@ class Speculation:
         self.backed[p] = ev = S.record(S.d2h)
         return ev
 
-    def backup_resident(self, params: list[Tensor], swapped) -> None:
-        """At a commit: queue the next step's backups of the tensors that stay on the GPU, last layer first (backward
-        updates them in that order). A swapped layer is backed up just before its update, when it is on the GPU."""
-        for p in reversed(params):
-            if p not in self.backed and p in self.states.offset and not swapped(p):
-                self.backup(p)
-
     def plan_backups(self, params: list[Tensor]) -> None:
         """At a step's first forward: these tensors' backups (resident, in the order backward updates them) are
         queued as the forward goes (`pace`); earlier backups are stale."""

@@ -343,7 +343,7 @@ class StreamedAdamW8bit(GlobalNormClipping, torch.optim.Optimizer):
         every tensor without the fused kernel, whose Philox counters depend on the step and place only). Such
         updates are queued by step() itself: queued later, they would draw after the next step's own random numbers
         (data, dropout), and a run would round differently depending on where it synchronized (a checkpoint)."""
-        return u.args[5] and (self._fused is None or u.p not in self._states.place)
+        return self._rounds_from_global_rng(u.p)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
