@@ -88,7 +88,7 @@ def old_module():
 
 
 def run(path: str, impl: str, num_proc: int | None, seq: int) -> dict:
-    from offload_trainer.args import DataArguments, ModelArguments
+    from offload_trainer.cli.run_args import DataArguments, ModelArguments
     from offload_trainer.models import load_tokenizer
 
     tok = load_tokenizer(ModelArguments(model_config="tiny-llama"))

@@ -25,7 +25,7 @@ def expected_speed(fired: list[bool], speculative: float, exact: float) -> float
     """Tokens/s of a run whose steps clip as `fired` says, replaying the optimizer's ClipPolicy: a speculative step at
     `speculative` tok/s (its clip not firing), twice its time when it fires (redone), `exact` tok/s while the policy
     clips exactly. (The rollback's copy back of the weights overlaps the redo's forward: not counted.)"""
-    from offload_trainer.optim.speculation import ClipPolicy
+    from offload_trainer.engine.optim.speculation import ClipPolicy
 
     policy, seconds = ClipPolicy(), 0.0
     for f in fired:

@@ -37,9 +37,9 @@ def main() -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from offload_trainer.loss import chunked_causal_lm_loss
+    from offload_trainer.engine.loss import chunked_causal_lm_loss
     from offload_trainer.models import architecture_config, pretrained_4bit_layerwise
-    from offload_trainer.swap import LayerSwap
+    from offload_trainer.engine.swap import LayerSwap
     from offload_trainer.sysinfo import peak_rss_gib, rss_gib
 
     cfg = architecture_config(a.model)

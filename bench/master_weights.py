@@ -15,10 +15,10 @@ os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 import torch  # noqa: E402
 
-from offload_trainer.args import DataArguments, ModelArguments  # noqa: E402
+from offload_trainer.cli.run_args import DataArguments, ModelArguments  # noqa: E402
 from offload_trainer.data import build_datasets  # noqa: E402
 from offload_trainer.models import load_model, load_tokenizer  # noqa: E402
-from offload_trainer.optim import StreamedAdamW8bit  # noqa: E402
+from offload_trainer.engine.optim import StreamedAdamW8bit  # noqa: E402
 
 
 def run(kind: str, steps: int, lr: float, train, evald) -> dict:

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from offload_trainer.streams import pinned_empty
+from offload_trainer.engine.streams import pinned_empty
 
 
 def timed(fn, reps):

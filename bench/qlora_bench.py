@@ -44,9 +44,10 @@ def main() -> None:
 
     from peft import LoraConfig, get_peft_model
 
-    from offload_trainer.loss import chunked_causal_lm_loss
-    from offload_trainer.models import architecture_config, layer_lists, random_image_text_batch, random_init_4bit
-    from offload_trainer.swap import LayerSwap
+    from offload_trainer.engine.loss import chunked_causal_lm_loss
+    from offload_trainer.data.vision import random_image_text_batch
+    from offload_trainer.models import architecture_config, layer_lists, random_init_4bit
+    from offload_trainer.engine.swap import LayerSwap
 
     cfg = architecture_config(a.model)
     vision = getattr(cfg, "vision_config", None) is not None

@@ -8,7 +8,7 @@ import time
 import torch
 from torchao.optim.quant_utils import quantize_8bit_with_qmap
 
-from offload_trainer.optim.kernel import default_tables, quantize_with_table
+from offload_trainer.engine.optim.kernel import default_tables, quantize_with_table
 
 
 def main() -> None:

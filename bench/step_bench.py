@@ -180,9 +180,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from offload_trainer.loss import chunked_causal_lm_loss
+    from offload_trainer.engine.loss import chunked_causal_lm_loss
     from offload_trainer.models import architecture_config
-    from offload_trainer.optim import StreamedAdamW8bit
+    from offload_trainer.engine.optim import StreamedAdamW8bit
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     shard = None
@@ -215,7 +215,7 @@ def main() -> None:
         model.train()
         offloader = None
         if a.act_offload:
-            from offload_trainer.activations import enable_activation_offload
+            from offload_trainer.engine.activations import enable_activation_offload
 
             bound = {} if a.act_inflight is None else {"max_inflight": a.act_inflight or None}  # 0: no bound
             offloader = enable_activation_offload(model, **bound)
@@ -225,7 +225,7 @@ def main() -> None:
         noclip = a.system.endswith("noclip")
         if a.resident is not None:
             from offload_trainer.planner import plan
-            from offload_trainer.swap import LayerSwap
+            from offload_trainer.engine.swap import LayerSwap
 
             resident = a.resident if a.resident != "auto" else plan(
                 cfg, batch=a.bs, seq=a.seq, gpu_memory_limit_gb=a.cap or None, max_grad_norm=0.0 if noclip else 1.0,
@@ -256,15 +256,16 @@ def main() -> None:
                                       lr=1e-5)
         elif a.system in ("offload_trainer", "offload_trainer_noclip"):
             if world > 1:
-                from offload_trainer.distributed import Sharding
+                from offload_trainer.engine.distributed import Sharding
 
                 shard = Sharding()
-            from offload_trainer.optim import kernel as update_kernel
-            from offload_trainer.planner import PlanError, device_state_setting, plan
+            from offload_trainer.engine.optim import kernel as update_kernel
+            from offload_trainer.planner import PlanError, plan
+            from offload_trainer.settings import parse_device_states
 
             offload_grads = (not noclip or a.accum > 1) and not a.grads_on_gpu
             fused = False if a.unfused else {"eager_numerics": False} if a.fast_math else None
-            states = device_state_setting(a.device_states)
+            states = parse_device_states(a.device_states)
             try:
                 p = plan(cfg, batch=a.bs, seq=a.seq, gpu_memory_limit_gb=a.cap or None, max_grad_norm=0.0 if noclip
                          else 1.0, loss_chunk=a.loss_chunk, chunk_numel=a.chunk, activation_offload=a.act_offload,

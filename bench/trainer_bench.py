@@ -117,7 +117,7 @@ def main() -> None:
     a = ap.parse_args()
 
     from offload_trainer.cli import main as cli_main
-    from offload_trainer.config import load_config, parse_args
+    from offload_trainer.cli.config import load_config, parse_args
 
     model_args, data_args, args = parse_args(load_config(a.config, a.overrides))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -166,13 +166,13 @@ def main() -> None:
     finally:
         trainer_module.OffloadTrainer = plain
     if built:
-        row["extra"]["activation_offload"] = bool(built[0]._want_activations)  # (read by make_table)
-        opt = built[0]._offload_opt
+        row["extra"]["activation_offload"] = bool(built[0]._run.want_activations)  # (read by make_table)
+        opt = built[0]._run.optimizer
         if opt is not None and opt.speculative:  # clipped speculatively: what the clip did over the run
             row["system"] = row["system"].replace("offload_trainer_cli", "offload_trainer_cli_speculative")
             row["extra"]["clip_counts"] = opt.clip_counts
-        if built[0]._plan is not None:  # the Trainer's own plan (its host peak counts a save's shard)
-            row["predicted"] = predicted(built[0]._plan)
+        if built[0]._run.plan is not None:  # the Trainer's own plan (its host peak counts a save's shard)
+            row["predicted"] = predicted(built[0]._run.plan)
     row["extra"]["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # (the command sets one if unset)
     if profiler is not None:  # (the profiled steps are among the timed ones: profiling slows them a little)
         row["extra"]["profile"] = profiler.summary

@@ -5,7 +5,7 @@
 The states are on the GPU already (no PCIe): this times only the update kernels, which share the GPU with backward
 when updates run during backward. (Older rows name some variants differently: bench/results/README.md, "The update
 kernel alone".) Variants:
-  ours                  offload_trainer.optim.adamw8bit_chunk, compiled as the optimizer compiles it
+  ours                  offload_trainer.engine.optim.adamw8bit_chunk, compiled as the optimizer compiles it
   ours_no_asserts       without inductor's bounds asserts on the quantizer's table lookups (assert_indirect_indexing)
   ours_int32            torchao's binary-search quantizer rewritten with int32 codes (the same codes)
   ours_int32_no_asserts both
@@ -32,8 +32,8 @@ import torch
 from torchao.optim.adam import single_param_adam
 from torchao.optim.subclass_8bit import OptimState8bit, get_qmap_signed, get_qmap_unsigned
 
-from offload_trainer.optim import adamw8bit_chunk, compile_update
-from offload_trainer.optim.kernel import Update8bit
+from offload_trainer.engine.optim import adamw8bit_chunk, compile_update
+from offload_trainer.engine.optim.kernel import Update8bit
 
 
 def quantize_8bit_i32(input, qmap):

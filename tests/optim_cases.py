@@ -7,7 +7,7 @@ import math
 import torch
 from torchao.optim import AdamW8bit
 
-from offload_trainer.optim import StreamedAdamW8bit
+from offload_trainer.engine.optim import StreamedAdamW8bit
 from tiny_models import TinyLM, param_groups
 
 LR, BETAS, WD = 3e-3, (0.9, 0.95), 0.1

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from helpers import tiny_setup
-from offload_trainer.activations import ActivationOffloader, enable_activation_offload
+from offload_trainer.engine.activations import ActivationOffloader, enable_activation_offload
 
 
 def grads_of(model, batch):

@@ -90,7 +90,7 @@ def tokenizer_without(tmp_path: Path, key: str) -> Path:
     """A copy of the built-in tokenizer with `key` removed from its config."""
     import json
 
-    from offload_trainer.models import builtin_asset
+    from offload_trainer.data.sources import builtin_asset
 
     tok_dir = tmp_path / "tok"
     shutil.copytree(builtin_asset("tokenizer"), tok_dir)
@@ -166,19 +166,19 @@ def test_speculative_clipping_short_of_host_ram(tmp_path, capsys, monkeypatch, n
 def test_speculative_clipping_with_data_parallel(tmp_path, monkeypatch):
     from helpers import tiny_setup
     from offload_trainer import OffloadTrainer, OffloadTrainingArguments
-    from offload_trainer.config import ConfigError
+    from offload_trainer.errors import ConfigError
 
     model, tok, data = tiny_setup()
     args = OffloadTrainingArguments(output_dir=str(tmp_path), offload_optimizer=True, max_grad_norm=1.0,
                                     speculative_clipping=True, report_to="none")
     trainer = OffloadTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
-    monkeypatch.setattr(OffloadTrainer, "_sharded", lambda self: True)  # (as under torchrun with 2 ranks)
+    monkeypatch.setattr(type(trainer._run), "sharded", property(lambda self: True))  # (as under torchrun, 2 ranks)
     with pytest.raises(ConfigError, match="speculative_clipping: true runs in one process"):
         trainer.create_optimizer()
 
 
 def test_disk_too_small(tmp_path, capsys, monkeypatch):
-    import offload_trainer.checkpoint as ck
+    import offload_trainer.trainer.checkpoint as ck
 
     monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     expect(Case(tmp_path), capsys, 4, "not enough disk in", "GiB are free")
@@ -204,7 +204,7 @@ def test_out_of_disk_during_save(tmp_path, capsys, monkeypatch):
     assert rc == 4
     assert "out of disk space while saving checkpoint-2" in err and "checkpoint-1 is intact" in err
     assert sorted(os.listdir(case.out)) == ["checkpoint-1"]  # nothing partial left, nothing published
-    from offload_trainer.checkpoint import check_checkpoint
+    from offload_trainer.trainer.checkpoint import check_checkpoint
 
     check_checkpoint(str(case.out / "checkpoint-1"))
 

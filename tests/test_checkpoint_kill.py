@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from offload_trainer.checkpoint import check_checkpoint, newest_complete_checkpoint
+from offload_trainer.trainer.checkpoint import check_checkpoint, newest_complete_checkpoint
 
 CONFIG = """model_config: tiny-llama
 model_overrides: {{num_hidden_layers: 2}}
@@ -70,7 +70,7 @@ def test_sigkill_during_20_saves_then_resume_gives_the_same_losses(tmp_path):
     # NOTE: not plain fork: this pytest process has run torch's OpenMP thread pools in earlier tests, and a child
     # forked after that can deadlock in them (seen here). A fork server is a fresh process that only imports.
     fork = multiprocessing.get_context("forkserver")
-    fork.set_forkserver_preload(["torch", "transformers", "offload_trainer.cli", "offload_trainer.trainer"])
+    fork.set_forkserver_preload(["torch", "transformers", "offload_trainer.cli", "offload_trainer.trainer.mixin"])
     steps = 30
 
     def config(out: Path) -> str:

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from offload_trainer import cli
+from offload_trainer.cli import recipe
 
 CONFIG = os.path.join(os.path.dirname(__file__), "..", "configs", "tiny-cpu.yaml")
 
@@ -31,7 +32,7 @@ def test_train_tiny_config_end_to_end(tmp_path, monkeypatch):
     # the plots of the run, read back: a real picture, and the series it drew is the logged one
     import matplotlib.image
 
-    from offload_trainer.report import series, trainer_state
+    from offload_trainer.cli.report import series, trainer_state
 
     for name in ("loss.png", "throughput.png", "memory.png"):
         img = matplotlib.image.imread(out / name)
@@ -50,16 +51,16 @@ def test_keys_lists_every_key_with_type_and_default(capsys):
 
 def test_the_shipped_keys_table_is_the_live_one():
     """assets/keys.json is what `keys` prints without importing transformers: it must equal the fields as they are
-    (regenerate it with `python -m offload_trainer.keys --write` when they change, or transformers does)."""
+    (regenerate it with `python -m offload_trainer.cli.keys --write` when they change, or transformers does)."""
     from importlib import resources
 
-    from offload_trainer.keys import build_table
+    from offload_trainer.cli.keys import build_table
 
     shipped = json.loads((resources.files("offload_trainer") / "assets" / "keys.json").read_text())
     live = build_table()
     if shipped["transformers"] != live["transformers"]:
         pytest.fail(f"assets/keys.json is for transformers {shipped['transformers']}, this is "
-                    f"{live['transformers']}: run python -m offload_trainer.keys --write")
+                    f"{live['transformers']}: run python -m offload_trainer.cli.keys --write")
     assert shipped == json.loads(json.dumps(live))
 
 
@@ -95,7 +96,7 @@ def test_keys_of_other_tools_get_our_name(key, hint, tmp_path, capsys):
 
 
 def test_aliases_with_the_same_meaning_are_accepted(tmp_path):
-    from offload_trainer.config import load_config, parse_args
+    from offload_trainer.cli.config import load_config, parse_args
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model_config: tiny-llama\nmax_length: 96\ntext_field: body\noutput_dir: {tmp_path}\n")
@@ -120,7 +121,7 @@ def test_a_local_looking_model_path_that_is_not_there_is_reported_at_once(tmp_pa
 
 
 def test_report_prints_a_summary_and_says_what_to_do_without_a_state(tmp_path, capsys):
-    from offload_trainer.report import summary
+    from offload_trainer.cli.report import summary
 
     assert cli.main(["report", str(tmp_path)]) == 2
     assert "a Python run writes it with trainer.save_state()" in capsys.readouterr().err
@@ -140,8 +141,8 @@ def test_train_reads_the_model_config_once(tmp_path, monkeypatch):
     import offload_trainer.models as models
 
     reads = []
-    read = cli.model_config_of
-    monkeypatch.setattr(cli, "model_config_of", lambda margs: reads.append(margs) or read(margs))
+    read = recipe.model_config_of
+    monkeypatch.setattr(recipe, "model_config_of", lambda margs: reads.append(margs) or read(margs))
 
     class Loaded(Exception):
         pass
@@ -151,7 +152,7 @@ def test_train_reads_the_model_config_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(models, "load_model", load_model)
     try:
-        cli.train(CONFIG, [f"output_dir={tmp_path / 'run'}"])
+        recipe.train(CONFIG, [f"output_dir={tmp_path / 'run'}"])
     except Loaded:
         pass
     else:

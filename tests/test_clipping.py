@@ -37,8 +37,8 @@ def test_speculative_clipping_trains_as_exact_clipping(tmp_path, accum, kw, capl
     with caplog.at_level(logging.INFO, logger="offload_trainer"):
         spec, b = train(tmp_path, "spec", speculative=True, max_grad_norm=max_norm, accum=accum, **kw)
     if kw:
-        assert spec._swap is not None and spec._activations is not None
-    assert spec._offload_opt.speculative and not exact._offload_opt.speculative
+        assert spec._run.swap is not None and spec._run.activations is not None
+    assert spec._run.optimizer.speculative and not exact._run.optimizer.speculative
     for key in ("loss", "grad_norm", "learning_rate"):
         assert [h[key] for h in a] == [h[key] for h in b], key
     fired = [max_norm / (h["grad_norm"] + 1e-6) < 1 for h in a]  # (torch's coefficient under 1)
@@ -51,7 +51,7 @@ def test_speculative_clipping_trains_as_exact_clipping(tmp_path, accum, kw, capl
                    for k in ("exp_avg", "exp_avg_sq"))
     # the log: the share of steps whose clip fired, and how many were redone / clipped exactly
     assert [h["clip_rate"] for h in b] == [float(f) for f in fired]
-    counts = spec._offload_opt.clip_counts
+    counts = spec._run.optimizer.clip_counts
     assert sum(h["redone_steps"] for h in b) == counts["redone"] >= 1
     assert sum(h["exact_clip_steps"] for h in b) == counts["exact"]
     assert counts["redone"] + counts["exact"] >= counts["clipped"]
@@ -80,7 +80,7 @@ def test_a_nan_loss_is_rolled_back_and_skipped(tmp_path):
     seen = {}
 
     def snapshot(step):
-        trainer._offload_opt.synchronize()
+        trainer._run.optimizer.synchronize()
         seen[step] = [p.detach().clone() for p in model.parameters()]
 
     class Snap(TrainerCallback):
@@ -90,7 +90,7 @@ def test_a_nan_loss_is_rolled_back_and_skipped(tmp_path):
     trainer.add_callback(Snap())
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    counts = trainer._offload_opt.clip_counts
+    counts = trainer._run.optimizer.clip_counts
     assert logs[-1]["nonfinite_skipped"] == 1 and counts["nonfinite"] == 1 and counts["exact"] == 0
     assert all(torch.equal(a, b) for a, b in zip(seen[3], seen[4]))  # step 4 (the NaN) changed nothing
     assert not all(torch.equal(a, b) for a, b in zip(seen[4], seen[5]))

@@ -5,7 +5,8 @@ import os
 import pytest
 
 from offload_trainer import cli
-from offload_trainer.config import ConfigError, load_config, parse_args
+from offload_trainer.cli.config import load_config, parse_args
+from offload_trainer.errors import ConfigError
 
 CONFIGS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "configs", "*.yaml")))
 

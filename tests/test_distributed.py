@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from offload_trainer.distributed import Sharding, assign_owners
-from offload_trainer.optim import StreamedAdamW8bit
+from offload_trainer.engine.distributed import Sharding, assign_owners
+from offload_trainer.engine.optim import StreamedAdamW8bit
 from tiny_models import TinyLM, param_groups
 
 LR, BETAS = 3e-3, (0.9, 0.95)

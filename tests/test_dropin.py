@@ -14,7 +14,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from helpers import tiny_setup
 from offload_trainer import OffloadTrainer, OffloadTrainingArguments, StreamedAdamW8bit
-from offload_trainer.config import ConfigError
+from offload_trainer.errors import ConfigError
 
 # Keys our training logs add to the Trainer's (throughput and memory; the README lists them).
 OUR_LOG_KEYS = {"tok_per_s", "host_rss_gib", "gpu_peak_gib", "pcie_gb_per_s", "host_pinned_gib", "gpu_stall_ms",
@@ -178,7 +178,7 @@ def test_a_non_adamw_optim_runs_the_trainers_own_and_says_so(tmp_path, optim, ca
         for t in (stock, ours):
             t.train()
     assert type(ours.optimizer.optimizer) is type(stock.optimizer.optimizer)
-    assert ours._offload_opt is None
+    assert ours._run.optimizer is None
     said = [r.getMessage() for r in caplog.records if "nothing is offloaded" in r.getMessage()]
     assert len(said) == 1 and f"optim={optim!r} is not AdamW" in said[0]
     for a, b in zip(train_logs(stock), train_logs(ours)):
@@ -208,7 +208,7 @@ def test_an_optimizer_passed_in_is_honoured(tmp_path, how, caplog):
         stock, ours = pair(tmp_path, trainer_kw=kw, max_steps=3, ours=TrainingArguments)
         for t in (stock, ours):
             t.train()
-    assert isinstance(ours.optimizer.optimizer, torch.optim.SGD) and ours._offload_opt is None
+    assert isinstance(ours.optimizer.optimizer, torch.optim.SGD) and ours._run.optimizer is None
     assert any("an optimizer was passed to the Trainer" in r.getMessage() for r in caplog.records)
     for a, b in zip(train_logs(stock), train_logs(ours)):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-4)

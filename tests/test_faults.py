@@ -192,7 +192,7 @@ def test_data_that_trains(row, tmp_path, capsys):
 
 
 def test_data_bom_is_not_a_token(tmp_path):
-    from offload_trainer.args import DataArguments, ModelArguments
+    from offload_trainer.cli.run_args import DataArguments, ModelArguments
     from offload_trainer.data import build_datasets
     from offload_trainer.models import load_tokenizer
 

@@ -78,7 +78,7 @@ def test_accelerate_launch_with_deepspeed_or_fsdp_is_refused_naming_the_launch_t
 
         from helpers import tiny_setup
         from offload_trainer import OffloadTrainer
-        from offload_trainer.config import ConfigError
+        from offload_trainer.errors import ConfigError
 
         model, _, train = tiny_setup()
         with pytest.raises(ConfigError, match="cannot run under FSDP"):

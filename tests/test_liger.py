@@ -9,8 +9,8 @@ from transformers import Trainer, TrainingArguments
 
 from helpers import tiny_setup
 from offload_trainer import OffloadTrainer, OffloadTrainingArguments
-from offload_trainer import trainer as trainer_module
-from offload_trainer.args import HAS_ACTIVATION_CHECKPOINTING
+from offload_trainer.trainer import mixin as trainer_module
+from offload_trainer.trainer.args import HAS_ACTIVATION_CHECKPOINTING
 
 pytestmark = pytest.mark.gpu
 
@@ -69,7 +69,7 @@ def test_gpu_use_liger_kernel_trains_with_liger_loss_as_the_stock_trainer(tmp_pa
     assert trainer_module._liger_computes_loss(ours.model)  # Liger bound its forward, and ours still trains with it
     mlp = ours.model.model.layers[0].mlp
     assert mlp._get_name() == "LigerSwiGLUMLP"  # the swapped layers' modules were patched too
-    assert ours._swap is not None and ours._swap.stats["loads"] > 0
+    assert ours._run.swap is not None and ours._run.swap.stats["loads"] > 0
     assert "loss_chunk_size steps aside" in caplog.text
 
     got, want, unfused = _losses(ours), _losses(stock), _losses(plain)

@@ -101,7 +101,7 @@ def run(which, cfg_path):
 def test_the_readme_lines_are_our_keys():
     import dataclasses
 
-    from offload_trainer.args import OffloadFields
+    from offload_trainer.trainer.args import OffloadFields
 
     ours = {f.name for f in dataclasses.fields(OffloadFields)}
     assert readme_lines() and set(readme_lines()) <= ours

@@ -1,7 +1,7 @@
 import torch
 import torch.nn.functional as F
 
-from offload_trainer.loss import chunked_causal_lm_loss
+from offload_trainer.engine.loss import chunked_causal_lm_loss
 
 
 def reference(hidden, labels, weight, bias, num_items=None):

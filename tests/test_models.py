@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from offload_trainer import cli
-from offload_trainer.models import SafetensorsReader, architecture_config, builtin_asset, pretrained_4bit_layerwise
+from offload_trainer.data.sources import builtin_asset
+from offload_trainer.models import SafetensorsReader, architecture_config, pretrained_4bit_layerwise
 
 pytest.importorskip("bitsandbytes")
 
@@ -104,7 +105,7 @@ def test_pretrained_qlora_with_layer_swap_through_the_cli(tmp_path, capsys, monk
     path = save_tiny(tmp_path / "base", tie=False, layers=4)
     calls = []
     load = models.pretrained_4bit_layerwise
-    monkeypatch.setattr(models, "pretrained_4bit_layerwise", lambda *a, **k: calls.append(a) or load(*a, **k))
+    monkeypatch.setattr(models.loading, "pretrained_4bit_layerwise", lambda *a, **k: calls.append(a) or load(*a, **k))
     rc = cli.main(["train", "configs/tiny-cpu.yaml", "model_config=null", f"model_name_or_path={path}",
                    "torch_dtype=bfloat16", "lora_r=8", "lora_alpha=16", "load_in_4bit=true", "layer_swap=2",
                    "activation_checkpointing=true",

@@ -8,7 +8,9 @@ import torch
 
 from cli_cases import log_to_current_stderr
 from offload_trainer import cli
-from offload_trainer.models import architecture_config, builtin_asset
+from offload_trainer.cli import recipe
+from offload_trainer.data.sources import builtin_asset
+from offload_trainer.models import architecture_config
 
 pytest.importorskip("bitsandbytes")
 IDS = torch.tensor([[1, 5, 9, 33, 200, 7, 64, 3, 17, 90, 12, 4]])
@@ -75,13 +77,13 @@ def test_qlora_run_writes_adapters_that_reload_with_plain_transformers_and_peft(
     base_dir = save_base(tmp_path / "base", torch.bfloat16)
     out = tmp_path / "out"
     trained = {}
-    real = cli.write_outputs
+    real = recipe.write_outputs
 
     def capture(trainer, tokenizer, model_args):
         trained["logits"] = logits(trainer.model)
         return real(trainer, tokenizer, model_args)
 
-    monkeypatch.setattr(cli, "write_outputs", capture)
+    monkeypatch.setattr(recipe, "write_outputs", capture)
     log_to_current_stderr()
     rc = cli.main(["train", "configs/tiny-cpu.yaml", "model_config=null", f"model_name_or_path={base_dir}",
                    "torch_dtype=bfloat16", "lora_r=8", "lora_alpha=16", "load_in_4bit=true", "max_steps=3",

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from offload_trainer import OffloadTrainer, OffloadTrainingArguments
-from offload_trainer.args import DataArguments, ModelArguments
+from offload_trainer.cli.run_args import DataArguments, ModelArguments
 from offload_trainer.data import build_datasets
 from offload_trainer.models import load_model, load_tokenizer
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from helpers import tiny_setup
-from offload_trainer.optim import StreamedAdamW8bit
-from offload_trainer.swap import LayerSwap, spread_swapped
+from offload_trainer.engine.optim import StreamedAdamW8bit
+from offload_trainer.engine.swap import LayerSwap, spread_swapped
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -193,7 +193,7 @@ def test_speculative_clipping_of_swapped_layers_equals_exact_clipping_unswapped(
     unswapped model: a swapped layer is backed up and updated in its slot, restored there on a rollback, and copied
     back; the clip fires on some steps and not on others. fp32: no stochastic rounding, so every streamed tensor's
     update is speculative on CPU too."""
-    from offload_trainer.optim.speculation import ClipPolicy
+    from offload_trainer.engine.optim.speculation import ClipPolicy
 
     ref, model, batches = setup(device)
     probe = copy.deepcopy(ref)
@@ -279,7 +279,7 @@ def test_qlora_4bit_base_swaps_with_its_quantization_state():
     """bitsandbytes NF4 weights and their QuantState (absmax, code, nested state) move as one layer."""
     pytest.importorskip("bitsandbytes")
 
-    from offload_trainer.loss import chunked_causal_lm_loss
+    from offload_trainer.engine.loss import chunked_causal_lm_loss
     from offload_trainer.models import architecture_config
 
     cfg = architecture_config("tiny-llama", {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4})
@@ -308,8 +308,9 @@ def test_vision_language_qlora_swaps_both_kinds_of_decoder_layer():
     layers swapped (two slot pools) while an image flows through the vision encoder: the same grads."""
     pytest.importorskip("bitsandbytes")
 
-    from offload_trainer.loss import chunked_causal_lm_loss
-    from offload_trainer.models import architecture_config, random_image_text_batch
+    from offload_trainer.engine.loss import chunked_causal_lm_loss
+    from offload_trainer.data.vision import random_image_text_batch
+    from offload_trainer.models import architecture_config
 
     cfg = architecture_config("tiny-mllama")
     cfg._attn_implementation = "sdpa"

@@ -35,9 +35,9 @@ def test_script_written_for_trainer_runs_unchanged(tmp_path, asked, caplog):
     with caplog.at_level(logging.INFO, logger="offload_trainer"):
         trainer.train()
     if asked:
-        assert isinstance(trainer._offload_opt, StreamedAdamW8bit)  # it did not silently fall back
+        assert isinstance(trainer._run.optimizer, StreamedAdamW8bit)  # it did not silently fall back
     else:
-        assert trainer._offload_opt is None and isinstance(trainer.optimizer.optimizer, torch.optim.AdamW)
+        assert trainer._run.optimizer is None and isinstance(trainer.optimizer.optimizer, torch.optim.AdamW)
         assert sum("no GPU here" in r.getMessage() and "nothing is offloaded" in r.getMessage()
                    for r in caplog.records) == 1
     losses = losses_of(trainer)
@@ -49,7 +49,7 @@ def test_script_written_for_trainer_runs_unchanged(tmp_path, asked, caplog):
 def test_logs_trim_host_memory_at_most_once_in_ten_steps(tmp_path, monkeypatch):
     """Every training log has host RSS; glibc's free pages go back (a ~5 ms trim) at the first log and then at most
     once in TRIM_EVERY_STEPS steps, also when a second train() starts."""
-    import offload_trainer.run_logs as run_logs
+    import offload_trainer.trainer.run_logs as run_logs
 
     trims = []
     monkeypatch.setattr(run_logs, "trim_host_memory", lambda: trims.append(None))
@@ -73,7 +73,7 @@ def test_offload_off_is_the_plain_trainer(tmp_path):
                                     optim="sgd", save_strategy="no", report_to="none")
     trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
     trainer.train()
-    assert trainer._offload_opt is None
+    assert trainer._run.optimizer is None
     assert isinstance(trainer.optimizer.optimizer, torch.optim.SGD)
 
 
@@ -124,7 +124,7 @@ def test_resume_at_20_gives_identical_losses_to_40(tmp_path, max_grad_norm, extr
     full.train()
     want = losses_of(full)
     assert len(want) == 40
-    kept = [n for n, p in model.named_parameters() if p in full._offload_opt._states.on_device]
+    kept = [n for n, p in model.named_parameters() if p in full._run.optimizer._states.on_device]
     assert kept == (["model.embed_tokens.weight"] if extra else [])
 
     model, _, _ = tiny_setup(seq=32)
@@ -151,12 +151,12 @@ def test_the_streamed_optimizer_is_prepared_without_placement(tmp_path):
     model, tok, train = tiny_setup(seq=32)
     trainer = OffloadTrainer(model=model, args=make_args(tmp_path, max_steps=2, save_steps=100), train_dataset=train)
     trainer.train()
-    assert trainer.optimizer.optimizer is trainer._offload_opt and trainer.optimizer.device_placement is False
+    assert trainer.optimizer.optimizer is trainer._run.optimizer and trainer.optimizer.device_placement is False
     assert "prepare_optimizer" not in trainer.accelerator.__dict__  # the accelerator's own method again
     # a second train() (the states now exist) prepares it the same way
     trainer.args.max_steps = 4
     trainer.train()
-    assert trainer.optimizer.optimizer is trainer._offload_opt and trainer.optimizer.device_placement is False
+    assert trainer.optimizer.optimizer is trainer._run.optimizer and trainer.optimizer.device_placement is False
     assert len(losses_of(trainer)) == 4
 
 
@@ -167,7 +167,7 @@ def test_activation_offload_through_the_trainer(tmp_path):
                                     logging_steps=2, save_strategy="no", report_to="none")
     trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
     trainer.train()
-    off = trainer._activations
+    off = trainer._run.activations
     assert off is not None and off.stats["d2h_bytes"] > 0
     assert off.stats["h2d_bytes"] == off.stats["d2h_bytes"]  # every offloaded input came back for its recompute
     losses = losses_of(trainer)
@@ -187,9 +187,9 @@ def test_layer_swap_through_the_trainer_matches_unswapped_and_resumes(tmp_path, 
 
     plain = run("off", "plain")
     swapped = run("2", "swap")
-    assert swapped._swap.memory_stats()["swapped_layers"] == 2 and swapped._swap.stats["loads"] > 0
+    assert swapped._run.swap.memory_stats()["swapped_layers"] == 2 and swapped._run.swap.stats["loads"] > 0
     # accumulating 2 micro-batches: the swapped run sums its gradients in host memory, the plain one on the device
-    assert swapped._offload_opt.offload_gradients and not plain._offload_opt.offload_gradients
+    assert swapped._run.optimizer.offload_gradients and not plain._run.optimizer.offload_gradients
     assert losses_of(swapped) == losses_of(plain)  # CPU: exact
     run("2", "cut", stop=4)
     resumed = run("2", "cut", resume=str(tmp_path / "cut" / "checkpoint-4"), seed=123)
@@ -221,7 +221,7 @@ class Snapshot(TrainerCallback):
         self.trainer, self.after = trainer, {}
 
     def on_step_end(self, args, state, control, **kw):
-        opt = self.trainer._offload_opt
+        opt = self.trainer._run.optimizer
         opt.synchronize()
         self.after[state.global_step] = (
             {n: p.detach().clone() for n, p in self.trainer.model.named_parameters()},
@@ -267,7 +267,7 @@ def test_nonfinite_step_is_skipped_with_weights_and_states_unchanged(tmp_path, m
 def test_loss_filter_on_the_device_logs_what_the_trainers_own_does(tmp_path, monkeypatch, max_grad_norm):
     """On a GPU the Trainer's logging_nan_inf_filter (a host read of every loss) is replaced by the same arithmetic on
     the device; forced on here: the logged losses, a NaN step among them, are those of the Trainer's own filter."""
-    import offload_trainer.trainer as trainer_mod
+    import offload_trainer.trainer.mixin as trainer_mod
 
     def run(on_device: bool):
         monkeypatch.setattr(trainer_mod.OffloadMixin, "_filters_loss_on_device", lambda self: on_device)
@@ -298,12 +298,12 @@ def test_loss_filter_falls_back_to_the_trainers_own_without_its_running_loss(tmp
     model, _, train = tiny_setup()
     trainer = OffloadTrainer(model=model, args=make_args(tmp_path, logging_nan_inf_filter=False), train_dataset=train)
     assert not hasattr(trainer, "_tr_loss")  # (set by the Trainer's loop)
-    trainer._device_loss_filter = True
+    trainer._run.device_loss_filter = True
     loss = torch.tensor(float("nan"))
-    from offload_trainer import seams
+    from offload_trainer.trainer import seams
 
-    assert seams.filtered_loss(trainer, loss) is loss
-    assert trainer.args.logging_nan_inf_filter and not trainer._device_loss_filter
+    assert seams.filtered_loss(trainer, trainer._run, loss) is loss
+    assert trainer.args.logging_nan_inf_filter and not trainer._run.device_loss_filter
 
 
 def test_qlora_4bit_with_layer_swap_through_the_cli(tmp_path, capsys):
@@ -338,9 +338,9 @@ def test_gpu_logs_show_pcie_pinned_and_stall_with_layer_swap(tmp_path):
     assert len(logs) == 3 and logs[-1]["loss"] < logs[0]["loss"]
     # (a 0.2 M-parameter model moves a few MB per step: the logged GB/s and GiB round to ~0, so check the counters)
     assert all(h["pcie_gb_per_s"] >= 0 and h["host_pinned_gib"] >= 0 and h["gpu_stall_ms"] >= 0 for h in logs)
-    assert trainer._swap.stats["loads"] > 0 and trainer._swap.memory_stats()["pinned_bytes"] > 0
-    assert trainer._offload_opt.memory_stats()["pinned_bytes"] > 0 and trainer._activations.pinned_bytes() > 0
-    assert trainer._offload_opt.offload_gradients  # accumulating with swapped layers: the sums wait in pinned memory
+    assert trainer._run.swap.stats["loads"] > 0 and trainer._run.swap.memory_stats()["pinned_bytes"] > 0
+    assert trainer._run.optimizer.memory_stats()["pinned_bytes"] > 0 and trainer._run.activations.pinned_bytes() > 0
+    assert trainer._run.optimizer.offload_gradients  # accumulating with swapped layers: the sums wait in pinned memory
 
 
 def test_without_a_cap_the_plan_is_for_the_gpus_own_memory(monkeypatch):
@@ -372,8 +372,8 @@ def test_gpu_resume_without_a_cap_plans_for_the_card(tmp_path, max_grad_norm):
     full = trainer(tmp_path / "full")
     full.train()
     want = losses_of(full)
-    assert full._plan is not None and full._plan.gpu_budget_gib > 30  # the card's own memory (not a cap)
-    assert full._offload_opt._states.on_device and not full._offload_opt._states.offset  # every state kept on the GPU
+    assert full._run.plan is not None and full._run.plan.gpu_budget_gib > 30  # the card's own memory (not a cap)
+    assert full._run.optimizer._states.on_device and not full._run.optimizer._states.offset  # every state kept on the GPU
     first = trainer(tmp_path / "cut", callbacks=[StopAt(20)])
     first.train()
     second = trainer(tmp_path / "cut", seed=123)
@@ -388,7 +388,7 @@ def test_saves_are_sharded_so_host_memory_holds_one_shard_and_resume_reads_them(
     whole shard to host memory first), and a resume from the sharded checkpoint continues exactly."""
     from safetensors.torch import load_file
 
-    from offload_trainer import trainer as trainer_mod
+    from offload_trainer.trainer import mixin as trainer_mod
 
     model, tok, train = tiny_setup(seq=32)
     monkeypatch.setattr(trainer_mod, "SAVE_SHARD_BYTES", 100_000)  # bytes: the tiny model needs several
@@ -419,8 +419,8 @@ def test_small_trainable_sets_and_cpus_keep_the_trainers_adamw():
     always streams."""
     from types import SimpleNamespace
 
-    from offload_trainer.args import streams_optimizer
-    from offload_trainer.run_args import ModelArguments
+    from offload_trainer.trainer.args import streams_optimizer
+    from offload_trainer.cli.run_args import ModelArguments
     from offload_trainer.models import load_model
 
     lora = load_model(ModelArguments(model_config="tiny-llama", torch_dtype="float32", lora_r=4))
@@ -456,7 +456,7 @@ def test_saves_and_evaluations_are_not_counted_in_tok_per_s(tmp_path, monkeypatc
     """A slow save between two logs: the logged throughput is the training's (it dipped at every save before)."""
     import time as time_mod
 
-    import offload_trainer.trainer as trainer_mod
+    import offload_trainer.trainer.mixin as trainer_mod
 
     model, tok, train = tiny_setup(seq=32)
     args = make_args(tmp_path, max_steps=6, logging_steps=2, save_steps=3, gradient_accumulation_steps=1)

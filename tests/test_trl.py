@@ -20,7 +20,7 @@ def test_sft_trainer_with_offload(tmp_path):
                             offload_optimizer=True)  # (on a CPU the streamed optimizer runs when asked for)
     trainer = OffloadSFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
     trainer.train()
-    assert isinstance(trainer._offload_opt, StreamedAdamW8bit)
+    assert isinstance(trainer._run.optimizer, StreamedAdamW8bit)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and losses[1] < losses[0]
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -65,7 +65,7 @@ def test_dpo_trainer_with_offload_follows_trls_own(tmp_path):
 
     ours, got = _dpo(tmp_path / "ours", OffloadDPOTrainer, OffloadDPOConfig, offload_optimizer=True)
     _, want = _dpo(tmp_path / "trl", trl.DPOTrainer, trl.DPOConfig, optim="adamw_torch")
-    assert isinstance(ours._offload_opt, StreamedAdamW8bit)
+    assert isinstance(ours._run.optimizer, StreamedAdamW8bit)
     assert len(got) == len(want) == 8
     assert got[0]["loss"] == pytest.approx(want[0]["loss"], abs=1e-6)  # before any update: DPO's loss, ours unchanged
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(got, want)) < 0.02
@@ -74,16 +74,16 @@ def test_dpo_trainer_with_offload_follows_trls_own(tmp_path):
 
 
 def test_the_plan_counts_a_reference_model(tmp_path):
-    from offload_trainer import wiring
-    from offload_trainer.planner import plan_from_args
+    from offload_trainer.trainer import wiring
+    from offload_trainer.planner import plan_for_run
     from offload_trainer.trl import OffloadDPOConfig, OffloadDPOTrainer
 
     trainer, _ = _dpo(tmp_path, OffloadDPOTrainer, OffloadDPOConfig, offload_optimizer=True)
     want = sum(p.numel() * p.element_size() for p in trainer.ref_model.parameters()) / 2**30
     assert wiring.reference_model_gib(trainer) == pytest.approx(want, rel=0.01) and want > 0
-    config, args = trainer.model.config, trainer.args
-    alone = plan_from_args(args, config, 64, gpu_gb=1.0)
-    beside = plan_from_args(args, config, 64, gpu_gb=1.0, other_models_gib=0.25)
+    config, settings = trainer.model.config, trainer._run.settings
+    alone = plan_for_run(settings, config, 64, gpu_gb=1.0)
+    beside = plan_for_run(settings, config, 64, gpu_gb=1.0, other_models_gib=0.25)
     assert beside.gpu_budget_gib == pytest.approx(alone.gpu_budget_gib - 0.25)
 
 
@@ -92,7 +92,7 @@ def test_the_mixin_adds_no_name_a_trl_trainer_defines():
     `_compute_loss`: a mixin method of that name recursed forever)."""
     import transformers
 
-    from offload_trainer.trainer import OffloadMixin
+    from offload_trainer.trainer.mixin import OffloadMixin
 
     added = {n for n in vars(OffloadMixin) if not n.startswith("__")} - set(dir(transformers.Trainer))
     for name in dir(trl):

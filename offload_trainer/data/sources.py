@@ -6,9 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+from importlib import resources
 
 from ..errors import DataError
-from ..models import builtin_asset
+
+
+def builtin_asset(name: str) -> str:
+    """Path of a file shipped in offload_trainer/assets (the built-in corpus and tokenizer)."""
+    return str(resources.files("offload_trainer") / "assets" / name)
+
 
 BUILTIN = {"builtin": "corpus.txt", "builtin-sft": "sft.jsonl"}
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv",

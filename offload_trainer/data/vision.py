@@ -154,11 +154,26 @@ class RandomImageText(torch.utils.data.Dataset):
         return self.n
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        from ..models import random_image_text_batch
-
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
         row = {k: v[0] for k, v in random_image_text_batch(self.config, 1, self.seq, generator=g).items()}
         labels = row["input_ids"].clone()
         labels[labels == self.config.image_token_index] = IGNORE_INDEX
         row["pixel_values"] = row["pixel_values"].to(self.dtype)
         return {**row, "labels": labels}
+
+
+def random_image_text_batch(cfg, batch: int, seq: int, device="cpu", generator=None) -> dict:
+    """Random inputs for an Mllama-style model: one image of `max_num_tiles` tiles per sequence (the image token
+    first, every text token attending to every tile), for benchmarks and tests. Labels are the input ids."""
+    vc, tc = cfg.vision_config, cfg.text_config
+    tiles = vc.max_num_tiles
+    ids = torch.randint(0, tc.vocab_size, (batch, seq), generator=generator)
+    ids[:, 0] = cfg.image_token_index
+    pixels = torch.randn(batch, 1, tiles, vc.num_channels, vc.image_size, vc.image_size, generator=generator)
+    ratios = [list(r) for r in vc.supported_aspect_ratios]
+    square = next(r for r in ratios if r[0] * r[1] == tiles)  # e.g. 2 x 2 tiles
+    out = dict(input_ids=ids, pixel_values=pixels.to(torch.bfloat16),
+               aspect_ratio_ids=torch.full((batch, 1), ratios.index(square) + 1),
+               aspect_ratio_mask=torch.ones(batch, 1, tiles, dtype=torch.long),
+               cross_attention_mask=torch.ones(batch, seq, 1, tiles, dtype=torch.long))
+    return {k: v.to(device) for k, v in out.items()}

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from axolotl.integrations.base import BasePlugin
 from pydantic import BaseModel, model_validator
 
-from ..args import OffloadFields
+from ..trainer.args import OffloadFields
 
 __all__ = ["OffloadArgs", "OffloadPlugin"]
 
@@ -74,7 +74,7 @@ OffloadArgs = _input_model()
 def _trainer_cls() -> type:
     from axolotl.core.trainers.base import AxolotlTrainer
 
-    from ..trainer import OffloadMixin
+    from ..trainer.mixin import OffloadMixin
 
     return type("OffloadAxolotlTrainer", (OffloadMixin, AxolotlTrainer),
                 {"__doc__": "axolotl's AxolotlTrainer with the offload wiring (offload_trainer's axolotl plugin)."})
@@ -87,7 +87,7 @@ class OffloadPlugin(BasePlugin):
         return "offload_trainer.integrations.axolotl.OffloadArgs"
 
     def get_training_args_mixin(self) -> str:
-        return "offload_trainer.args.OffloadFields"
+        return "offload_trainer.trainer.args.OffloadFields"
 
     def get_training_args(self, cfg) -> dict[str, Any]:
         return {k: cfg[k] for k in KEYS if cfg.get(k) is not None}

@@ -23,8 +23,8 @@ import logging
 import sys
 from typing import Any
 
-from ..args import OffloadFields
-from ..config import ConfigError
+from ..trainer.args import OffloadFields
+from ..errors import ConfigError
 
 __all__ = ["clashes", "main"]
 
@@ -58,7 +58,7 @@ def _classes() -> dict[str, type]:
     from llamafactory.train.pt.trainer import CustomTrainer
     from llamafactory.train.sft.trainer import CustomSeq2SeqTrainer
 
-    from ..trainer import OffloadMixin
+    from ..trainer.mixin import OffloadMixin
 
     args = dataclasses.dataclass(type("OffloadLlamaFactoryArguments", (OffloadFields, TrainingArguments), {
         "__doc__": "LLaMA-Factory's TrainingArguments plus the offload switches (offload_trainer's launcher)."}))
@@ -114,7 +114,7 @@ def _read(argv: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Train a LLaMA-Factory config with the offload wiring; exit codes as `offload-trainer train`'s (2: a config
     that cannot run)."""
-    from ..cli import exit_code_of, use_expandable_segments
+    from ..cli.main import exit_code_of, use_expandable_segments
 
     _our_log_lines()
     use_expandable_segments()
@@ -135,7 +135,7 @@ def _train(argv: list[str]) -> None:
 def _our_log_lines() -> None:
     """Our log lines (the plan, what is streamed and why not) on stderr as the command prints them, rank 0 only:
     LLaMA-Factory sets up its own loggers and transformers', not ours."""
-    from ..cli import LOG_DATEFMT, LOG_FORMAT, our_log_level
+    from ..cli.main import LOG_DATEFMT, LOG_FORMAT, our_log_level
 
     log = logging.getLogger("offload_trainer")
     if not log.handlers:

@@ -6,14 +6,14 @@ budgets. The model of memory (estimate.py) is the sum of what the step holds (we
 checkpointed layer inputs) plus the largest transient phase (loss chunk and LM-head gradient at the start of
 backward; one layer's recompute and gradients in the middle), plus the allocator's slack, with constants calibrated
 on the H200 runs in bench/results (`Machine`). shape.py reads the config; search.py finds the fastest plan that fits
-(or says what to change); table.py is the Plan and its table; from_args.py plans from a run's arguments.
+(or says what to change); table.py is the Plan and its table; from_args.py plans for a run's settings.
 """
 from ..sysinfo import host_memory_gib  # noqa: F401  (re-exported for the CLI)
-from .from_args import SAVE_SHARD_BYTES, device_state_setting, dtype_bytes, layer_swap_setting, plan_from_args
+from .from_args import SAVE_SHARD_BYTES, dtype_bytes, plan_for_run
 from .search import DEVICE_STATE_FILL_FRACTION, DEVICE_STATE_FILL_MARGIN_GIB, DEVICE_STATE_MARGIN_GIB, plan
 from .shape import GiB, KNOWN_TYPES, Machine, ModelShape, PlanError, UnknownArchitecture
 from .table import Plan
 
-__all__ = ["plan", "plan_from_args", "Plan", "PlanError", "UnknownArchitecture", "Machine", "ModelShape", "GiB",
-           "SAVE_SHARD_BYTES", "KNOWN_TYPES", "device_state_setting", "layer_swap_setting", "dtype_bytes",
+__all__ = ["plan", "plan_for_run", "Plan", "PlanError", "UnknownArchitecture", "Machine", "ModelShape", "GiB",
+           "SAVE_SHARD_BYTES", "KNOWN_TYPES", "dtype_bytes",
            "host_memory_gib", "DEVICE_STATE_MARGIN_GIB", "DEVICE_STATE_FILL_MARGIN_GIB", "DEVICE_STATE_FILL_FRACTION"]

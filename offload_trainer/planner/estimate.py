@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
-from ..sizes import STATE_BYTES_PER_VALUE
+from ..engine.sizes import STATE_BYTES_PER_VALUE
 from .shape import GiB, Machine, ModelShape
 
 

@@ -7,15 +7,16 @@ import dataclasses
 import functools
 import math
 
-from ..sizes import STATE_BYTES_PER_VALUE
+from ..engine.sizes import STATE_BYTES_PER_VALUE
+from ..settings import CHUNK_NUMEL, INFLIGHT_CHUNKS, LOSS_CHUNK
 from .estimate import estimate as _estimate
 from .shape import GiB, Machine, ModelShape, PlanError
 from .table import Plan
 
 
 def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = None,
-         host_memory_gb: float | None = None, max_grad_norm: float = 1.0, loss_chunk: int = 1024,
-         chunk_numel: int = 2**25, inflight: int = 4, activation_offload: bool | None = None,
+         host_memory_gb: float | None = None, max_grad_norm: float = 1.0, loss_chunk: int = LOSS_CHUNK,
+         chunk_numel: int = CHUNK_NUMEL, inflight: int = INFLIGHT_CHUNKS, activation_offload: bool | None = None,
          offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
          lora_params: int = 0, weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
          fused_update: bool = True, device_states: str | float = 0, save_shard_bytes: int = 0,
@@ -32,7 +33,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     `fused_update`: the optimizer's Triton update (its default on CUDA); False: torchao's compiled update.
     `weight_bytes`: bytes per value of the model's dtype (2: bf16 / fp16, 4: float32).
     `save_shard_bytes`: host memory a checkpoint's save adds (safetensors holds one shard in host memory while it
-    writes it; `plan_from_args` counts one `SAVE_SHARD_BYTES` shard, or the whole weights when smaller).
+    writes it; `plan_for_run` counts one `SAVE_SHARD_BYTES` shard, or the whole weights when smaller).
     `device_states`: GiB of 8-bit states kept on the GPU (`StreamedAdamW8bit(device_state_bytes=)`), or "auto" (with a
     GPU budget): see `_with_device_states`.
     `speculative`: speculative clipping (with `max_grad_norm`): None takes it where it is faster and the host budget

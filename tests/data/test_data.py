@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from offload_trainer.args import DataArguments, ModelArguments
+from offload_trainer.cli.run_args import DataArguments, ModelArguments
 from offload_trainer.data import IGNORE_INDEX, DataError, build_datasets
 from offload_trainer.models import load_tokenizer
 

@@ -57,7 +57,7 @@ def test_a_tiny_vision_language_model_trains_through_the_command(tmp_path, capsy
 
 
 def test_labels_are_the_assistant_turns_token_by_token(tmp_path):
-    from offload_trainer.args import DataArguments, ModelArguments
+    from offload_trainer.cli.run_args import DataArguments, ModelArguments
     from offload_trainer.data import build_image_text, build_processor, data_collator
     from offload_trainer.models import architecture_config, load_tokenizer
 
@@ -94,7 +94,7 @@ def test_a_frozen_vision_tower_records_no_graph_and_the_adapters_the_same_gradie
     """LoRA on the language model: the frozen vision tower runs without autograd (nothing saved for backward, the image
     features need no grad), and the adapters' gradients equal those of the tower run with autograd (as
     enable_input_require_grads made it); an unfrozen projector, or tower, still trains."""
-    from offload_trainer.args import DataArguments, ModelArguments
+    from offload_trainer.cli.run_args import DataArguments, ModelArguments
     from offload_trainer.data import build_image_text, build_processor, data_collator
     from offload_trainer.models import architecture_config, load_model, load_tokenizer
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torchao.optim.quant_utils import quantize_8bit_with_qmap
 
-from offload_trainer.optim import kernel as uk
-from offload_trainer.optim import StreamedAdamW8bit, adamw8bit_chunk
+from offload_trainer.engine.optim import kernel as uk
+from offload_trainer.engine.optim import StreamedAdamW8bit, adamw8bit_chunk
 from optim_cases import BETAS, LR, rel_l2, run
 from tiny_models import TinyLM, param_groups
 

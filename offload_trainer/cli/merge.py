@@ -1,0 +1,87 @@
+"""LoRA adapters merged into the base model's own weights, one safetensors shard at a time:
+
+    offload-trainer merge ADAPTER_DIR --base BASE_DIR [--out DIR]
+
+A QLoRA run trains adapters on NF4 weights; merging into the NF4 weights would round the update away (peft warns),
+and loading a 70B-90B bf16 model to merge it in memory needs 140-180 GB. Here each shard of the bf16 (or fp32) base is
+read, every LoRA pair that belongs to a weight of it added (W + scale * B @ A, in float32, as peft's merge computes
+it), and the shard written -- so memory holds one shard and the adapters. The output is a plain transformers
+directory (config, tokenizer, shards and their index), written into a staging directory and moved into place."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from ..errors import MergeError
+
+SKIP = {"adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "README.md"}
+
+
+def lora_pairs(adapter_dir: str) -> tuple[dict, float]:
+    """{base weight name: (A, B)} of the adapters, and their scale (lora_alpha / r, or / sqrt(r) with rsLoRA)."""
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(adapter_dir, "adapter_config.json")
+    weights = os.path.join(adapter_dir, "adapter_model.safetensors")
+    if not (os.path.isfile(cfg_path) and os.path.isfile(weights)):
+        raise MergeError(f"{adapter_dir!r} holds no LoRA adapters (adapter_config.json and adapter_model.safetensors, "
+                         f"as a LoRA run writes into its output_dir)")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("fan_in_fan_out"):
+        raise MergeError(f"{adapter_dir!r}: only plain LoRA adapters are merged here (peft_type LORA, not "
+                         f"fan_in_fan_out); merge others with peft's merge_and_unload()")
+    r, alpha = cfg["r"], cfg.get("lora_alpha", cfg["r"])
+    scale = alpha / (r ** 0.5 if cfg.get("use_rslora") else r)
+    pairs: dict[str, list] = {}
+    for key, t in load_file(weights).items():
+        for part, k in ((".lora_A.weight", 0), (".lora_B.weight", 1)):
+            if key.endswith(part):
+                name = key[: -len(part)].removeprefix("base_model.model.") + ".weight"
+                pairs.setdefault(name, [None, None])[k] = t
+    return {n: tuple(ab) for n, ab in pairs.items()}, scale
+
+
+def base_shards(base_dir: str) -> list[str]:
+    index = os.path.join(base_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            return sorted(set(json.load(f)["weight_map"].values()))
+    if os.path.isfile(os.path.join(base_dir, "model.safetensors")):
+        return ["model.safetensors"]
+    raise MergeError(f"{base_dir!r} holds no safetensors weights (model.safetensors or its index): the merge reads "
+                     f"the base model's own bf16 checkpoint")
+
+
+def merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
+    """Write base + adapters into `out_dir` (returned); the base's dtype kept."""
+    from safetensors.torch import load_file, save_file
+
+    from ..trainer.outputs import staged_save
+
+    pairs, scale = lora_pairs(adapter_dir)
+    left = dict(pairs)
+    with staged_save(out_dir, "the merged model") as staging:
+        for shard in base_shards(base_dir):
+            tensors = load_file(os.path.join(base_dir, shard))
+            for name in [n for n in tensors if n in left]:
+                a, b = left.pop(name)
+                w = tensors[name]
+                if (b.shape[0], a.shape[1]) != tuple(w.shape):
+                    raise MergeError(f"adapter for {name} is {b.shape[0]} x {a.shape[1]}, the base weight "
+                                     f"{tuple(w.shape)}: these adapters were trained on another model")
+                tensors[name] = (w.float() + scale * (b.float() @ a.float())).to(w.dtype)
+            save_file(tensors, os.path.join(staging, shard), metadata={"format": "pt"})
+            del tensors
+        if left:
+            raise MergeError(f"{len(left)} adapters match no weight of the base (e.g. {next(iter(left))}): these "
+                             f"adapters were trained on another model")
+        for name in os.listdir(base_dir):  # config, tokenizer, the shard index: as the base has them
+            path = os.path.join(base_dir, name)
+            if os.path.isfile(path) and not name.endswith(".safetensors") and name not in SKIP:
+                shutil.copy(path, os.path.join(staging, name))
+        for name in os.listdir(adapter_dir):  # the tokenizer the run trained with, if it saved one
+            if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+                shutil.copy(os.path.join(adapter_dir, name), os.path.join(staging, name))
+    return out_dir

@@ -1,0 +1,335 @@
+"""`offload-trainer train`, top to bottom: the config checked (config.py), the output directory claimed, the plan
+made before any weight loads, the tokenizer, data and model loaded, the OffloadTrainer built and run, and the outputs
+written (model, merged LoRA model, state, plots), each save staged. `offload-trainer plan` is its first half."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+
+from ..errors import ConfigError, OutputBusy
+from ..trainer.outputs import OutputLock, check_output_dir, check_space
+from .config import load_config, parse_args
+
+logger = logging.getLogger("offload_trainer")
+
+CHECKPOINT_DIR = re.compile(r"^checkpoint-\d+$")
+
+
+def train(config: str, overrides: list[str]) -> str:
+    """Train from a YAML config; returns the output directory."""
+    refuse_busy_output_dir(config, overrides)  # in a fraction of a second: before transformers is imported
+    cfg = load_config(config, overrides)  # every check that needs no model happens here
+    from ..settings import OffloadSettings
+    from ..trainer.args import streams_optimizer
+
+    model_args, data_args, training_args = parse_args(cfg)  # (every switch and conflict checked as they are built)
+    settings = OffloadSettings.from_args(training_args)
+    check_data_and_steps(data_args, training_args)
+    out = training_args.output_dir
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if main_rank:
+        check_output_dir(out)
+    with OutputLock(out) if main_rank else contextlib.nullcontext():
+        if main_rank:
+            check_earlier_run(training_args)
+        model_config = model_config_of(model_args)  # (read once: a checkpoint's config.json may be remote)
+        check_model_fits_data(model_args, data_args, model_config)
+        plan = None
+        if (streams_optimizer(training_args, settings)[0] or model_args.lora_r) and (
+                settings.gpu_memory_limit_gb or training_args.device.type == "cuda"):
+            # the run's one plan, before any weights (refused if it cannot fit a cap; none on a CPU: it plans GPU
+            # memory); with no cap, for this GPU's memory, as the Trainer would plan
+            from .. import sysinfo
+            from ..planner import Machine
+
+            plan = make_plan(model_args, data_args, settings, model_config=model_config, strict=False,
+                             gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib))
+            if plan is not None:
+                logger.info("plan:\n%s", plan.table())
+        if main_rank:
+            check_space(out, final_output_bytes(model_args, model_config), "the trained model")
+        trainer, tokenizer, eval_ds = build_trainer(model_args, data_args, training_args, settings, model_config, plan)
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        if eval_ds is not None:
+            metrics = trainer.evaluate()
+            logger.info("eval loss %.4f", metrics["eval_loss"])
+        write_outputs(trainer, tokenizer, model_args)
+    logger.info("saved to %s", out)
+    return out
+
+
+def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: float | None = None,
+                 gpus: int | None = None) -> None:
+    from .. import sysinfo
+    from ..planner import Machine
+    from ..settings import OffloadSettings
+
+    cfg = load_config(config, overrides)
+    model_args, data_args, training_args = parse_args(cfg)
+    # no gpu_memory_limit_gb: on a machine with a GPU, plan for it, as the Trainer will
+    p = make_plan(model_args, data_args, OffloadSettings.from_args(training_args), host_gb, gpus,
+                  gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib))
+    if as_json:
+        import json
+
+        print(json.dumps(p.as_dict(), indent=1))
+    else:
+        print(p.table())
+
+
+def model_config_of(model_args):
+    """The model's config without its weights (a named architecture, or config.json of a checkpoint)."""
+    from ..models import architecture_config
+
+    if model_args.model_config:
+        return architecture_config(model_args.model_config, model_args.model_overrides)
+    from transformers import AutoConfig
+
+    with model_errors(model_args.model_name_or_path, "its config"):
+        from ..models import hub_kwargs
+
+        return AutoConfig.from_pretrained(model_args.model_name_or_path, **hub_kwargs(model_args))
+
+
+try:
+    from safetensors import SafetensorError  # (raised for a truncated or corrupt weights file)
+except ImportError:  # pragma: no cover
+    SafetensorError = OSError
+
+
+@contextlib.contextmanager
+def model_errors(path: str | None, what: str):
+    """from_pretrained's errors for a path (missing, empty, corrupt, truncated, offline Hub id) as one sentence."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (OSError, ValueError, SafetensorError) as e:
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+        local = path is not None and os.path.isdir(path)
+        fix = ("a transformers model directory holds config.json, the weights (*.safetensors) and the tokenizer files"
+               if local else "a Hub id needs the network, or a copy in the HF cache (HF_HUB_OFFLINE=1 reads only that);"
+               " or give a local directory")
+        raise ConfigError(f"model_name_or_path {path!r}: cannot load {what}: {first}. ({fix})") from None
+
+
+def make_plan(model_args, data_args, settings, host_gb: float | None = None, gpus: int | None = None,
+              gpu_gb: float | None = None, model_config=None, strict: bool = True):
+    """The plan, or ConfigError naming what to change when none fits. An architecture the planner does not know is
+    refused by `plan` (strict) and trained without a plan by `train` (said in the log)."""
+    from ..planner import PlanError, UnknownArchitecture, host_memory_gib, plan_for_run
+    try:
+        return plan_for_run(settings, model_config or model_config_of(model_args),
+                            data_args.max_seq_length, host_gb=host_gb or host_memory_gib(), gpu_gb=gpu_gb,
+                            model_args=model_args, ranks=gpus)
+    except UnknownArchitecture as e:
+        if strict:
+            raise ConfigError(f"{e}") from None
+        logger.warning("no plan: %s", e)
+    except PlanError as e:
+        if strict or settings.gpu_memory_limit_gb:
+            raise ConfigError(f"{e}") from None
+        # (the card's own memory, no cap asked for: training tries with the switches as given, as the Trainer does)
+        logger.warning("the planner finds no plan that fits this GPU (%.1f GiB): %s", gpu_gb or 0, e)
+
+
+def refuse_busy_output_dir(config: str, overrides: list[str]) -> None:
+    """OutputBusy if another run holds the config's output_dir (read from the YAML alone; a config that cannot be read
+    is left to load_config to report)."""
+    from .config import load_yaml, parse_overrides
+
+    try:
+        out = {**load_yaml(config), **parse_overrides(overrides)}.get("output_dir")
+    except ConfigError:
+        return
+    if isinstance(out, str) and os.path.isdir(out):
+        OutputLock(os.path.expanduser(out)).probe()
+
+
+def check_earlier_run(training_args) -> None:
+    """An output_dir holding an earlier run is refused unless this run resumes it or asks to start over: the new
+    run's checkpoints would silently replace and interleave with the old ones."""
+    out = training_args.output_dir
+    if not os.path.isdir(out) or training_args.resume_from_checkpoint:
+        return
+    ckpts = sorted((n for n in os.listdir(out) if CHECKPOINT_DIR.match(n)), key=lambda n: int(n.split("-")[1]))
+    finished = [n for n in ("trainer_state.json", "model.safetensors", "adapter_model.safetensors",
+                            "model.safetensors.index.json") if os.path.exists(os.path.join(out, n))]
+    if not ckpts and not finished:
+        return
+    if training_args.overwrite_output_dir:
+        for n in ckpts:
+            shutil.rmtree(os.path.join(out, n))
+        logger.warning("overwrite_output_dir: removed %s of the earlier run in %s", ", ".join(ckpts) or "nothing", out)
+        return
+    what = f"checkpoints up to {ckpts[-1]}" if ckpts else f"a finished run ({finished[0]})"
+    raise OutputBusy(f"output_dir {out!r} holds {what} of an earlier run. Continue it with resume_from_checkpoint: "
+                     f"true, start over with overwrite_output_dir: true (its checkpoints are removed first), or choose "
+                     f"another output_dir.")
+
+
+def check_data_and_steps(data_args, training_args) -> None:
+    if data_args.streaming and training_args.max_steps <= 0:
+        raise ConfigError("streaming: true reads a dataset whose length is not known up front: set max_steps (the "
+                          "number of optimizer steps to train)")
+
+
+def check_model_fits_data(model_args, data_args, model_config) -> None:
+    text = getattr(model_config, "text_config", None) or model_config
+    positions = getattr(text, "max_position_embeddings", None)
+    if positions and data_args.max_seq_length > positions:
+        raise ConfigError(f"max_seq_length={data_args.max_seq_length} is longer than the model's "
+                          f"{positions} positions (max_position_embeddings): use max_seq_length <= {positions}")
+
+
+def final_output_bytes(model_args, model_config) -> int:
+    """Bytes the run writes at its end: the model; with LoRA the adapters (fp32, peft's default) and, but for QLoRA,
+    the merged model beside them."""
+    from ..models import DTYPES
+    from ..planner import ModelShape
+
+    try:
+        shape = ModelShape.from_config(model_config)
+        params = shape.params
+    except (AttributeError, TypeError):  # an architecture the planner does not know: no estimate
+        return 0
+    model = params * DTYPES[model_args.torch_dtype].itemsize
+    if model_args.lora_r:
+        adapters = 4 * model_args.lora_r * shape.layers * sum(i + o for i, o in shape.linear_shapes().values())
+        model = adapters + (0 if getattr(model_args, "load_in_4bit", False) else model)
+    return int(model * 1.05) + 2**20
+
+
+def build_trainer(model_args, data_args, training_args, settings, model_config, plan=None):
+    """(trainer, tokenizer, eval dataset): data, model and the OffloadTrainer over them (with the run's `plan`)."""
+    from transformers import set_seed
+
+    from ..data import build_datasets, data_collator
+    from ..models import DTYPES, count_params, load_model, load_tokenizer, random_init_device
+    from ..trainer import OffloadTrainer
+
+    set_seed(training_args.seed)
+    with model_errors(model_args.tokenizer_name_or_path or model_args.model_name_or_path, "the tokenizer"):
+        tokenizer = load_tokenizer(model_args)
+    vocab = (getattr(model_config, "text_config", None) or model_config).vocab_size
+    processor = None
+    if getattr(model_config, "vision_config", None) is not None:
+        processor, train_ds, eval_ds = image_text_data(model_args, data_args, training_args, model_config, tokenizer)
+    else:  # (rank 0 tokenizes, the others then read its cache)
+        train_ds, eval_ds = build_datasets(data_args, tokenizer, vocab_size=vocab, seed=training_args.seed,
+                                           main_process_first=lambda: training_args.main_process_first(desc="dataset"))
+    if processor is None and hasattr(train_ds, "__len__"):
+        logger.info("data: %d training rows of up to %d tokens%s", len(train_ds), data_args.max_seq_length,
+                    f", {len(eval_ds)} held out" if eval_ds is not None and hasattr(eval_ds, "__len__") else "")
+    swap = settings.layer_swap is not False
+    init_device = None  # a random-init model is built where it will train, when it fits there (not swapped)
+    if not (model_args.model_name_or_path or getattr(model_args, "load_in_4bit", False) or swap):
+        init_device = random_init_device(model_config, DTYPES[model_args.torch_dtype], training_args.device,
+                                         settings.gpu_memory_limit_gb)
+    with model_errors(model_args.model_name_or_path, "the weights"):
+        model = load_model(model_args, layerwise=swap,
+                           init_device=init_device)
+    logger.info("model: %s, %.1fM parameters, %s", model_args.model_name_or_path or model_args.model_config,
+                count_params(model) / 1e6, model_args.torch_dtype)
+    if model_args.model_config:  # a random-init model takes its special tokens from the tokenizer it trains with
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            for cfg in (model.config, getattr(model, "generation_config", None)):
+                if cfg is not None:
+                    setattr(cfg, name, getattr(tokenizer, name))
+    if training_args.device.type == "cpu":
+        training_args.dataloader_pin_memory = False  # (pinning needs an accelerator; torch warns at every loader)
+    # Packed rows are all one length: stacking them is all a collator has to do. (The Trainer's default with a
+    # tokenizer, DataCollatorWithPadding, took ~6 ms per 4 x 2048 batch in tokenizer.pad, at every step's start, and
+    # would add an attention mask, which turns off the per-document masks that position_ids give.)
+    trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
+                             processing_class=processor or tokenizer, offload_plan=plan,
+                             data_collator=data_collator(data_args, tokenizer, processor, train_ds))
+    _one_line_per_log(trainer)
+    return trainer, tokenizer, eval_ds
+
+
+def image_text_data(model_args, data_args, training_args, model_config, tokenizer):
+    """(processor, train, eval) for a vision-language model: the model's own processor (or, for a random-init named
+    architecture, one built from its config and the tokenizer), and image-text records, loss on the assistant turns."""
+    from ..data import build_image_text, build_processor
+    from ..models import DTYPES
+
+    if model_args.model_name_or_path:
+        from transformers import AutoProcessor
+
+        from ..models import hub_kwargs
+
+        with model_errors(model_args.model_name_or_path, "the processor"):
+            processor = AutoProcessor.from_pretrained(model_args.model_name_or_path, **hub_kwargs(model_args))
+    else:
+        processor = build_processor(model_config, tokenizer)
+    train_ds, eval_ds = build_image_text(data_args, config=model_config, seed=training_args.seed,
+                                         dtype=DTYPES[model_args.torch_dtype])
+    # The rows are records (messages, image paths) the collator renders: the Trainer must pass them on whole.
+    training_args.remove_unused_columns = False
+    logger.info("data: %d image-text records%s; loss on the assistant turns (images opened per batch)", len(train_ds),
+                f", {len(eval_ds)} held out" if eval_ds is not None else "")
+    return processor, train_ds, eval_ds
+
+
+def _one_line_per_log(trainer) -> None:
+    """The command logs one line per training log (`step N | loss ...`): the Trainer's progress bar stays, without
+    also printing each training log's dict (its evaluation and summary logs it still prints)."""
+    from transformers.trainer_callback import ProgressCallback
+
+    class Progress(ProgressCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs is not None and "loss" in logs:
+                return
+            return super().on_log(args, state, control, logs=logs, **kwargs)
+
+    if trainer.pop_callback(ProgressCallback) is not None:
+        trainer.add_callback(Progress)
+
+
+def write_outputs(trainer, tokenizer, model_args) -> None:
+    """The trained model (adapters first with LoRA, each save staged so a failed one leaves nothing complete-looking),
+    the trainer state, the plots; pushed to the Hub only once everything is written."""
+    from ..trainer.outputs import staged_save
+    from ..planner import SAVE_SHARD_BYTES
+
+    args = trainer.args
+    push, args.push_to_hub = args.push_to_hub, False
+    if args.should_save:  # again, now: the checkpoints took their share since the start
+        check_space(args.output_dir, final_output_bytes(model_args, trainer.model.config), "the trained model")
+    try:
+        trainer.save_model()
+        trainer.save_state()
+        if model_args.lora_r and getattr(model_args, "load_in_4bit", False):
+            how = (f"into the bf16 base, one shard at a time: offload-trainer merge {args.output_dir} --base "
+                   f"{model_args.model_name_or_path}" if model_args.model_name_or_path else
+                   "(a random-init base has no checkpoint to merge into)")
+            logger.info("QLoRA: the adapters are in %s. No merged model is written: merging into the NF4 weights "
+                        "would round the update away. To merge %s", args.output_dir, how)
+        elif model_args.lora_r and args.should_save:  # a merged model plain transformers loads: out/merged (one
+            # process writes it: under torchrun every rank would share one staging directory)
+            merged = os.path.join(args.output_dir, "merged")
+            with staged_save(merged, "the merged model") as staging:
+                trainer.model.merge_and_unload().save_pretrained(staging, max_shard_size=SAVE_SHARD_BYTES)
+                tokenizer.save_pretrained(staging)
+    finally:
+        args.push_to_hub = push
+    if push:
+        trainer.push_to_hub(commit_message="End of training")
+    if args.should_save:  # (the main process: it wrote trainer_state.json)
+        write_plots(args.output_dir)
+
+
+def write_plots(output_dir: str) -> None:
+    from .report import summary, write_report
+
+    logger.info("run:\n%s", summary(output_dir))
+
+    try:
+        for path in write_report(output_dir):
+            logger.info("plot: %s", path)
+    except ImportError:
+        logger.warning("no plots: matplotlib is not installed (pip install matplotlib)")

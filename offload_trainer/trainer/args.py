@@ -1,0 +1,265 @@
+"""Arguments: `OffloadTrainingArguments` adds our own fields (`OffloadFields`) to `transformers.TrainingArguments`;
+`offload_trainer.trl.OffloadSFTConfig` adds the same to TRL's `SFTConfig`. The rules that decide from arguments
+(`streams_optimizer`, the engine conflicts) live here too. (`ModelArguments`, `DataArguments`: run_args.py.)
+
+Only the fields we add live here. Everything else is `TrainingArguments`, parsed by transformers'
+own `HfArgumentParser` (see `config.py`).
+"""
+from __future__ import annotations
+
+import os
+import dataclasses
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+
+# transformers 5.24 renamed gradient_checkpointing to activation_checkpointing (the old name warns, and goes in 6);
+# 5.17, which the GPU machine has, knows only the old one. Configs and scripts write the new name on both: where
+# TrainingArguments lacks it, OffloadFields adds it and turns the old one on.
+HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
+
+from .. import settings as S
+from ..settings import OffloadSettings, device_states_text, layer_swap_text
+
+# `optim` values that name AdamW: the streamed optimizer runs in their place (AdamW with torchao's 8-bit states; the
+# README's "What differs from Trainer" says so). Any other name runs the Trainer's own optimizer, nothing offloaded.
+ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_8bit", "adamw_torch_4bit", "adamw_bnb_8bit",
+               "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
+
+
+def optim_name(args) -> str:
+    return str(getattr(args.optim, "value", args.optim))
+
+
+# `accelerate launch` asks for DeepSpeed or FSDP (its flags, or distributed_type in an accelerate config file) only
+# through these variables, which TrainingArguments and the Accelerator read in the training processes.
+LAUNCHER_ENGINES = {"ACCELERATE_USE_DEEPSPEED": "DEEPSPEED", "ACCELERATE_USE_FSDP": "FSDP"}
+
+
+def offload_conflict(args, asked: bool | None) -> str | None:
+    """Why `offload_optimizer` (`asked`: its value) cannot run with these arguments or this launch (DeepSpeed /
+    FSDP), or None."""
+    if asked is False:
+        return None
+    engines = [k for k in ("deepspeed", "fsdp") if getattr(args, k, None)]
+    from accelerate.utils import parse_flag_from_env  # (read as accelerate reads them)
+
+    launched = [t for var, t in LAUNCHER_ENGINES.items() if parse_flag_from_env(var)]
+    if launched:
+        return (f"offload_optimizer streams the optimizer states itself and cannot run under "
+                f"{' / '.join(launched)}, which `accelerate launch` was asked for (its --use_deepspeed / --use_fsdp, "
+                f"or distributed_type: {launched[0]} in the accelerate config): launch with `accelerate launch "
+                f"--multi_gpu --num_processes N` (distributed_type: MULTI_GPU) or with one process, or set "
+                f"offload_optimizer: false to let {' / '.join(launched)} handle the optimizer")
+    if not engines:
+        return None
+    return (f"offload_optimizer streams the optimizer states itself and cannot run under {' / '.join(engines)} "
+            f"(which shard or offload them their own way): remove {', '.join(engines)}, or set "
+            f"offload_optimizer: false")
+
+
+# With offload_optimizer unset, a model training at most this fraction of its parameters (LoRA, adapters) keeps the
+# Trainer's AdamW: its states are small next to the weights, and streaming them costs time for no memory that matters
+# (4.8M LoRA parameters on 2 CPU cores: ~2 s per step streamed against 0.04 s for torch's AdamW).
+SMALL_TRAINABLE_FRACTION = 0.1
+
+
+def streams_optimizer(args, settings: OffloadSettings | None = None, *, optimizer_given: bool = False,
+                      model=None) -> tuple[bool, str]:
+    """(whether the streamed optimizer runs, why not when it does not). One rule for `TrainingArguments` and ours:
+    `offload_optimizer` unset (None) streams when `optim` names AdamW, no optimizer was handed to the Trainer, there
+    is a GPU, and (given the `model`) more than SMALL_TRAINABLE_FRACTION of it trains; otherwise the Trainer's own
+    optimizer runs (the caller logs the reason). True insists (a contradiction is an error, before any weight is
+    touched); False never streams."""
+    asked = (settings or OffloadSettings.from_args(args)).offload_optimizer
+    optim = optim_name(args)
+    if asked is False:
+        return False, "offload_optimizer is false"
+    if optimizer_given:
+        if asked:
+            raise ValueError("offload_optimizer=True streams its own AdamW, but an optimizer was passed to the Trainer "
+                             "(optimizers=... or optimizer_cls_and_kwargs=...): pass neither, or set "
+                             "offload_optimizer: false to train with yours")
+        return False, "an optimizer was passed to the Trainer (optimizers= or optimizer_cls_and_kwargs=)"
+    if optim not in ADAMW_NAMES:
+        if asked:
+            raise ValueError(f"offload_optimizer=True streams 8-bit AdamW states, but optim={optim!r}. Set optim to one "
+                             f"of {', '.join(ADAMW_NAMES)}, or leave offload_optimizer unset (or false) to train with "
+                             f"{optim!r} on the GPU.")
+        return False, f"optim={optim!r} is not AdamW"
+    if getattr(args, "optim_args", None):
+        raise ValueError(f"optim_args={args.optim_args!r} is read by the Trainer's own optimizer, which the streamed "
+                         f"AdamW replaces: use adam_beta1 / adam_beta2 / adam_epsilon / weight_decay, or set "
+                         f"offload_optimizer: false")
+    if asked or model is None:
+        return True, ""
+    if args.device.type == "cpu":
+        return False, ("no GPU here: with everything in CPU memory there is nothing to offload, and torch's AdamW is "
+                       "the fastest on a CPU (offload_optimizer: true streams 8-bit states anyway)")
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if total and trained <= SMALL_TRAINABLE_FRACTION * total:
+        return False, (f"{trained / 1e6:.1f} M of {total / 1e6:.0f} M parameters train (LoRA or adapters): their AdamW "
+                       f"states ({16 * trained / 2**30:.2f} GiB with the gradients and fp32 copies) stay on the GPU")
+    return True, ""
+
+
+def several_gpus_conflict(args, settings: OffloadSettings | None = None) -> str | None:
+    """Why one process cannot drive the GPUs it sees (the Trainer's DataParallel mode), or None."""
+    if args is None or args.n_gpu <= 1 or not streams_optimizer(args, settings)[0]:
+        return None
+    n = args.n_gpu
+    return (f"{n} GPUs are visible to this one process, where the Trainer would use torch.nn.DataParallel; the "
+            f"offloaded optimizer works one process per GPU. For data parallel launch `torchrun --nproc_per_node {n} "
+            f"...`; for one GPU set CUDA_VISIBLE_DEVICES=0.")
+
+
+@dataclass
+class OffloadFields:
+    """The offload switches, added to a `TrainingArguments` (or TRL's `SFTConfig`) by `OffloadTrainingArguments` and
+    `OffloadSFTConfig`; checked after the base class's own checks."""
+
+    if not HAS_ACTIVATION_CHECKPOINTING:
+        activation_checkpointing: bool = field(
+            default=False, metadata={"help": "Recompute each layer in backward (transformers 5.24's name for "
+                                             "gradient_checkpointing, also on older versions)."})
+
+    offload_optimizer: bool | None = field(
+        default=None,
+        metadata={"help": "Keep AdamW states 8-bit in pinned CPU memory and stream them to the GPU layer by "
+                          "layer for the update (saves ~2 bytes/param of GPU memory vs 8-bit AdamW on the GPU, "
+                          "costs ~4 bytes/param/step of PCIe traffic, hidden behind backward). Unset: on when optim "
+                          "names AdamW (the default) and no optimizer is passed to the Trainer; otherwise the "
+                          "Trainer's own optimizer runs, said in the log. True: required (an error otherwise). "
+                          "False: the Trainer's own optimizer."},
+    )
+    offload_gradients: bool | None = field(
+        default=None,
+        metadata={"help": "Gradients that must wait -- for the global norm (max_grad_norm > 0), or for the next "
+                          "micro-batch (gradient_accumulation_steps > 1, summed there) -- wait in pinned CPU memory "
+                          "(saves 2 bytes/param of GPU memory, costs 4 bytes/param of PCIe traffic per step, and per "
+                          "micro-batch when accumulating; needed for 8B on 24 GiB). Unset: the planner decides, for "
+                          "gpu_memory_limit_gb or else the GPU's own memory; without a GPU, on when accumulating with "
+                          "swapped trained layers, off otherwise."},
+    )
+    speculative_clipping: bool | None = field(
+        default=None,
+        metadata={"help": "With max_grad_norm > 0: updates run during backward, before the global gradient norm is "
+                          "known; a step whose norm clips (or is not finite) is rolled back exactly and run again with "
+                          "the clip coefficient -- exact clipping's result at the speed of max_grad_norm: 0 while the "
+                          "clip rarely fires (a finetune). Costs 4 bytes/param more pinned host memory (a second bank "
+                          "of 8-bit states, the weights' backup) and 2 bytes/param of D2H per step; a step that clips "
+                          "runs twice, and while most steps clip they clip exactly instead, said in the log. Unset: "
+                          "the planner decides (on where it predicts a faster step and host RAM allows it; off "
+                          "without a plan); false: exact clipping, updates wait for the norm."},
+    )
+    activation_offload: bool | None = field(
+        default=None,
+        metadata={"help": "Keep checkpointed layer inputs in pinned CPU memory, copied on side streams and "
+                          "prefetched before each layer's recompute (saves layers x tokens x hidden x 2 bytes of "
+                          "GPU memory; needs activation_checkpointing). Unset: the planner decides, for "
+                          "gpu_memory_limit_gb or else the GPU's own memory; without a GPU, off."},
+    )
+    offload_chunk_numel: int = field(
+        default=S.CHUNK_NUMEL,
+        metadata={"help": "Elements per streamed chunk of optimizer state (a multiple of the 8-bit block size). "
+                          "Larger: fewer launches; smaller: less GPU memory in flight."},
+    )
+    offload_inflight_chunks: int = field(
+        default=S.INFLIGHT_CHUNKS,
+        metadata={"help": "GPU staging slots for streamed chunks (bounded pool with back-pressure). "
+                          "GPU memory in flight ~ slots x chunk x (2 bytes, +2 with max_grad_norm > 0)."},
+    )
+    offload_fused_update: bool | None = field(
+        default=None,
+        metadata={"help": "Update streamed states with one Triton kernel per chunk (torchao's codes and arithmetic, "
+                          "~2.5x faster on the GPU). None: where Triton runs (CUDA); false: torchao's compiled "
+                          "update."},
+    )
+    offload_device_states: str = field(
+        default=S.DEVICE_STATES,
+        metadata={"help": "8-bit AdamW states kept on the GPU instead of streamed, for the tensors backward reaches "
+                          "last (their copies could not overlap anything). 'auto': the input embedding's when the "
+                          "plan for gpu_memory_limit_gb (or the GPU's own memory) leaves room, then the next "
+                          "tensors' while max(1 GiB, 5%) of the budget stays free (a 3B model on 24 GiB keeps them "
+                          "all); a number: that many GiB (the model's first tensors that fit); 0: every state "
+                          "streamed."},
+    )
+    master_weights: str = field(
+        default=S.MASTER_WEIGHTS[0],
+        metadata={"help": "How bf16 weights absorb tiny updates: 'bf16_sr' (stochastic rounding, default, no "
+                          "extra memory) or 'bf16' (round to nearest: updates below 1/256 of a weight are lost)."},
+    )
+    loss_chunk_size: int = field(
+        default=S.LOSS_CHUNK,
+        metadata={"help": "Tokens per chunk of the LM-head + cross-entropy, so full logits are never "
+                          "materialised (0 = the model's own loss). Saves ~batch*seq*vocab*4 bytes."},
+    )
+    layer_swap: str = field(
+        default=S.LAYER_SWAP,
+        metadata={"help": "Keep only some decoder layers on the GPU; the others live in pinned CPU memory and are "
+                          "fetched into reused GPU slots one layer ahead, overlapped with compute (for models whose "
+                          "weights do not fit: 14B full finetune, 70B QLoRA on 24 GiB). 'off', 'auto' (the planner "
+                          "keeps as many as fit gpu_memory_limit_gb, or the card), or a number of resident layers. "
+                          "Needs activation_checkpointing."},
+    )
+    layer_swap_prefetch: int = field(
+        default=S.LAYER_SWAP_PREFETCH, metadata={"help": "Swapped layers fetched ahead of use (GPU slots = prefetch + 2)."},
+    )
+    save_on_interrupt: bool = field(
+        default=True,
+        metadata={"help": "On Ctrl-C / SIGTERM, finish the current step, save a checkpoint, and stop with a "
+                          "message naming it (a second Ctrl-C stops at once)."},
+    )
+    max_nonfinite_steps: int = field(
+        default=S.MAX_NONFINITE_STEPS,
+        metadata={"help": "Skip an optimizer step whose loss or gradient norm is NaN/inf (weights and optimizer "
+                          "states unchanged); stop after this many in a row. 0: no check (one GPU sync less per "
+                          "step)."},
+    )
+    overwrite_output_dir: bool = field(
+        default=False,
+        metadata={"help": "`offload-trainer train` refuses an output_dir that holds an earlier run's checkpoints or "
+                          "model unless this is true (its checkpoints are then removed when the run starts) or "
+                          "resume_from_checkpoint is set. (transformers 4.x had this key; from Python the Trainer "
+                          "writes wherever it is told, as before.)"},
+    )
+    gpu_memory_limit_gb: float | None = field(
+        default=None,
+        metadata={"help": "Cap this process's GPU memory (GiB), e.g. 24 to emulate a 24 GB card on a bigger one."},
+    )
+
+    @property
+    def place_model_on_device(self) -> bool | None:
+        # With layer swap the Trainer must not move the whole model: OffloadTrainer places it layer by layer.
+        return False if S.parse_layer_swap(self.layer_swap) is not False else None
+
+    def __post_init__(self) -> None:
+        conflict = offload_conflict(self, self.offload_optimizer)
+        if conflict:  # before the Trainer's checks, which would import DeepSpeed
+            raise ValueError(conflict)
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not self.use_cpu and not _cuda_available():
+            # torchrun on a machine without CUDA: without use_cpu the Trainer would run each process on its own
+            self.use_cpu = True
+        if not HAS_ACTIVATION_CHECKPOINTING and self.activation_checkpointing:
+            self.gradient_checkpointing = True
+        super().__post_init__()
+        settings = OffloadSettings.from_args(self)  # every bound and conflict of our switches (ValueError)
+        streams_optimizer(self, settings)  # a contradiction (offload_optimizer: true with optim: sgd) fails here
+        conflict = several_gpus_conflict(self, settings)
+        if conflict:
+            raise ValueError(conflict)
+        self.layer_swap = layer_swap_text(settings.layer_swap)  # (one spelling: `on` / `true` read as auto)
+        self.offload_device_states = device_states_text(settings.device_states)
+
+
+@dataclass
+class OffloadTrainingArguments(OffloadFields, TrainingArguments):
+    """`TrainingArguments` plus the offload switches. Every other field is the Trainer's own."""
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,175 @@
+"""Checkpoints that survive a kill: written into a staging directory, then published (outputs.publish: fsync, then
+rename into place).
+
+A directory named `checkpoint-N` therefore only ever exists complete. `newest_complete_checkpoint` also
+checks what it picks (trainer state readable, weights' header readable, optimizer, scheduler and RNG archives
+present and intact), so a checkpoint damaged later (a disk error, a hand copy cut short) is skipped with a warning
+instead of failing the resume; `check_checkpoint` explains what is wrong with one given explicitly,
+including a checkpoint of another model (parameter names or shapes differ).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import zipfile
+
+from ..errors import CheckpointError
+from .outputs import STAGING_PREFIX
+
+logger = logging.getLogger("offload_trainer")
+
+_CKPT = re.compile(r"^checkpoint-(\d+)$")
+_SHARD = re.compile(r"^optimizer-rank(\d+)-of-(\d+)\.pt$")
+_RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+                "pytorch_model.bin")
+
+
+def clean_staging(run_dir: str) -> None:
+    """Remove what an interrupted save left behind (never a published checkpoint)."""
+    if not os.path.isdir(run_dir):
+        return
+    for name in os.listdir(run_dir):
+        if name.startswith(STAGING_PREFIX):
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def check_checkpoint(path: str, model=None) -> None:
+    """Raise CheckpointError if `path` cannot be resumed from (incomplete, damaged, or another model's)."""
+    # The Trainer's own words first where it has them ("Can't find a valid checkpoint at"): scripts match on them.
+    if not os.path.isdir(path):
+        raise CheckpointError(f"Can't find a valid checkpoint at {path}: the directory does not exist "
+                              f"(resume_from_checkpoint: true picks the newest complete one in output_dir)")
+    if any(_CKPT.match(n) and os.path.isdir(os.path.join(path, n)) for n in os.listdir(path)):
+        raise CheckpointError(f"Can't find a valid checkpoint at {path}: it is a run's output directory, not one of "
+                              f"its checkpoints. Use resume_from_checkpoint: true (its newest complete checkpoint), "
+                              f"or the path of one checkpoint-N in it.")
+    _check_trainer_state(path)
+    weights = [f for f in WEIGHT_FILES if os.path.exists(os.path.join(path, f))]
+    if not weights:
+        raise CheckpointError(f"Can't find a valid checkpoint at {path}: it is incomplete, no model weights "
+                              f"({', '.join(WEIGHT_FILES)}). Resume from an earlier checkpoint.")
+    if weights[0].endswith(".safetensors"):
+        shapes = _safetensors_shapes(os.path.join(path, weights[0]), path)
+        if model is not None:
+            _check_same_model(shapes, model, path)
+    # Without these the Trainer resumes anyway -- with a fresh optimizer, a restarted schedule or other random
+    # numbers -- and says nothing: a checkpoint lacking one is refused (and skipped by resume_from_checkpoint: true).
+    opts = optimizer_files(path)
+    rng = sorted(n for n in os.listdir(path) if _RNG.match(n))
+    for label, files in (("optimizer state (optimizer.pt)", opts),
+                         ("learning-rate schedule (scheduler.pt)", [os.path.join(path, "scheduler.pt")]),
+                         ("random-number state (rng_state.pth)", [os.path.join(path, n) for n in rng])):
+        if not files or not all(os.path.exists(f) for f in files):
+            raise CheckpointError(f"checkpoint {path!r} is incomplete: its {label} is missing, so a resumed run would "
+                                  f"not continue the same training. Resume from an earlier checkpoint.")
+        for f in files:
+            _check_archive(f, path)
+
+
+def _check_trainer_state(path: str) -> None:
+    try:
+        with open(os.path.join(path, "trainer_state.json")) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path!r} is incomplete or damaged: trainer_state.json unreadable "
+                              f"({type(e).__name__}). Resume from an earlier checkpoint.") from None
+    if not isinstance(state, dict) or not isinstance(state.get("global_step"), int):
+        raise CheckpointError(f"checkpoint {path!r} is damaged: trainer_state.json holds no global_step. Resume from "
+                              f"an earlier checkpoint.")
+
+
+def _check_archive(file: str, path: str) -> None:
+    """torch.save's archive is a zip: a cut-short or emptied file has no central directory."""
+    try:
+        with zipfile.ZipFile(file) as z:
+            z.namelist()
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {os.path.basename(file)} is not a complete "
+                              f"archive ({e}). Resume from an earlier checkpoint.") from None
+
+
+def optimizer_shard_name(rank: int, world_size: int) -> str:
+    """Data parallel: each rank saves the states it owns in its own file (one rank: optimizer.pt)."""
+    return "optimizer.pt" if world_size == 1 else f"optimizer-rank{rank}-of-{world_size}.pt"
+
+
+def optimizer_files(path: str) -> list[str]:
+    """The optimizer state files of a checkpoint: optimizer.pt, or every rank's shard (all must be there)."""
+    shards = sorted((int(m.group(1)), int(m.group(2)), name) for name in os.listdir(path)
+                    if (m := _SHARD.match(name)))
+    if shards:
+        world = shards[0][1]
+        if sorted(r for r, w, _ in shards if w == world) != list(range(world)) or len(shards) != world:
+            raise CheckpointError(f"checkpoint {path!r} is incomplete: it holds optimizer shards "
+                                  f"{[n for _, _, n in shards]}, not ranks 0..{world - 1} of {world}. Resume from an "
+                                  f"earlier checkpoint.")
+        return [os.path.join(path, n) for _, _, n in shards]
+    single = os.path.join(path, "optimizer.pt")
+    return [single] if os.path.exists(single) else []
+
+
+def load_optimizer_states(path: str) -> dict | None:
+    """The optimizer state of a checkpoint as one state dict (every rank's shard merged: each holds the states
+    of the tensors its rank owned, under the same ids), memory-mapped so nothing is read twice into RAM. Any
+    number of ranks can load it: each keeps what it owns (re-sharding)."""
+    import torch
+
+    files = optimizer_files(path)
+    if not files:
+        return None
+    merged = None
+    for f in files:
+        sd = torch.load(f, map_location="cpu", weights_only=True, mmap=True)
+        if merged is None:
+            merged = sd
+        else:
+            merged["state"].update(sd["state"])
+    return merged
+
+
+def _safetensors_shapes(file: str, path: str) -> dict[str, tuple]:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(file, "pt") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors raises its own error types for a bad header
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {os.path.basename(file)} cannot be read "
+                              f"({str(e)[:120]}). Resume from an earlier checkpoint.") from None
+
+
+def _check_same_model(saved: dict[str, tuple], model, path: str) -> None:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") and not any(
+        "lora" in k for k in saved) else model
+    # Parameters only: what the optimizer's states belong to must match; buffers are the model's own business (a
+    # model may grow one and accept it in its load_state_dict), left to the load itself.
+    ours = {k: tuple(v.shape) for k, v in inner.named_parameters()}
+    for k, shape in saved.items():
+        if k in ours and ours[k] != shape:
+            raise CheckpointError(f"checkpoint {path!r} is from a different model: {k} has shape {shape} there "
+                                  f"but {ours[k]} here. Use the model_config / model_name_or_path it was trained "
+                                  f"with, or start without resume_from_checkpoint.")
+    common = set(saved) & set(ours)
+    if saved and not common:
+        raise CheckpointError(f"checkpoint {path!r} is from a different model: none of its {len(saved)} tensor "
+                              f"names exist here (e.g. {next(iter(saved))!r}).")
+
+
+def newest_complete_checkpoint(run_dir: str, model=None) -> str | None:
+    """The checkpoint-N with the largest N that passes `check_checkpoint` (damaged ones are skipped, logged)."""
+    if not os.path.isdir(run_dir):
+        return None
+    found = sorted(((int(m.group(1)), name) for name in os.listdir(run_dir) if (m := _CKPT.match(name))),
+                   reverse=True)
+    for _, name in found:
+        path = os.path.join(run_dir, name)
+        try:
+            check_checkpoint(path, model)
+            return path
+        except CheckpointError as e:
+            logger.warning("skipping %s: %s", name, e)
+    return None

@@ -1,0 +1,79 @@
+"""Runs that end cleanly: SIGINT / SIGTERM finish the step, save and stop; optimizer steps with a non-finite loss or
+gradient norm are skipped (the streamed optimizer drops their gradients), and too many in a row stop the run; after
+train() returns, either ends the run with the exception the command turns into a sentence and an exit code."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+
+from .checkpoint import newest_complete_checkpoint
+from ..errors import TrainingInterrupted, TrainingStopped
+from .run_state import RunState
+
+logger = logging.getLogger("offload_trainer")
+
+
+@contextlib.contextmanager
+def signals_stop_cleanly(run: RunState, state):
+    """SIGINT / SIGTERM: finish the current step, save if save_on_interrupt, then stop; twice: stop now. (`state`:
+    the Trainer's TrainerState, for the step named in the log.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if run.interrupted is not None:
+            raise KeyboardInterrupt
+        run.interrupted = signum
+        logger.warning("%s received: finishing step %d, then %s (again to stop at once)",
+                       signal.Signals(signum).name, state.global_step + 1,
+                       "saving a checkpoint" if run.settings.save_on_interrupt else "stopping")
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def on_step_end(run: RunState, global_step: int, control) -> None:
+    """After every callback's `on_step_end`: count a skipped step (stop at the limit), stop on an interrupt."""
+    nf = run.nonfinite
+    if nf.step_ended():
+        logger.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row)", global_step,
+                       nf.in_a_row)
+        if nf.stopped:
+            control.should_training_stop = True
+    if run.interrupted is not None:
+        control.should_training_stop = True
+        control.should_save = run.settings.save_on_interrupt
+
+
+def nonfinite_step(run: RunState) -> None:
+    """This optimizer step is skipped: the streamed optimizer drops its gradients instead of updating."""
+    run.nonfinite.skip_this_step = True
+    if run.optimizer is not None:
+        run.optimizer.skip_next_step()
+
+
+def raise_if_stopped(run: RunState, output_dir: str, global_step: int) -> None:
+    """After the Trainer's loop: a signal or the non-finite limit stopped it -- say so, naming the last checkpoint."""
+    if run.interrupted is not None:
+        ckpt = newest_complete_checkpoint(output_dir)
+        name = signal.Signals(run.interrupted).name
+        raise TrainingInterrupted(
+            f"{name}: stopped after step {global_step}; "
+            + (f"the last checkpoint is {ckpt} (continue with resume_from_checkpoint: true)" if ckpt
+               else "no checkpoint was saved (save_on_interrupt is off and none was due)"),
+            run.interrupted, ckpt)
+    nf = run.nonfinite
+    if nf.stopped:
+        ckpt = newest_complete_checkpoint(output_dir)
+        raise TrainingStopped(
+            f"{nf.in_a_row} optimizer steps in a row had a non-finite loss or gradient norm "
+            f"(all skipped: weights and optimizer states are those of the last finite step, "
+            f"{global_step - nf.in_a_row}). Lower learning_rate, check the data, or "
+            f"raise max_nonfinite_steps. " + (f"Last checkpoint: {ckpt}." if ckpt else ""))

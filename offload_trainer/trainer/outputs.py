@@ -1,0 +1,211 @@
+"""The run's output directory: one run at a time, writable, with room for what the run writes, and saves that never
+leave a complete-looking half.
+
+- `OutputLock`: an advisory `flock` on `output_dir/.offload-trainer.lock`, held while a run trains. A second run on the
+  same directory is refused at once (`OutputBusy`); the kernel drops the lock when its process dies, even by SIGKILL.
+- `check_writable`: a probe file written and removed before any weights load, so a read-only or foreign directory
+  is reported in a second, not at the first checkpoint after hours of training.
+- `check_space` / `disk_full`: free space against the bytes a save will write; and the test whether an exception
+  raised by a writer means the disk filled (torch.save raises RuntimeError, safetensors its own error, not always
+  OSError(ENOSPC)).
+- `publish` / `publish_into`: the one way anything is saved (checkpoints and final outputs): written into a
+  staging directory, flushed to disk (fsync), then renamed into place -- a directory whole, or file by file into
+  output_dir -- so a kill or a full disk never leaves a complete-looking half. `staged_save` wraps a save in it.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import shutil
+
+from ..errors import OutputBusy, StorageError
+
+logger = logging.getLogger("offload_trainer")
+
+LOCK_NAME = ".offload-trainer.lock"
+STAGING_PREFIX = ".partial-"  # staging/.partial-checkpoint-N/checkpoint-N while it is written
+STAGING_FINAL = ".partial-save"
+_FULL_WORDS = ("no space left", "file write failed", "disk quota", "enospc")
+
+
+class OutputLock:
+    """Exclusive lock of a run's output_dir; re-entrant within one process (the command locks before loading the
+    model, the Trainer again in train())."""
+
+    _held: dict[str, list] = {}  # realpath -> [fd, count]
+
+    def __init__(self, output_dir: str):
+        self.output_dir = output_dir
+        self.path = os.path.join(os.path.realpath(output_dir), LOCK_NAME)
+
+    def __enter__(self) -> "OutputLock":
+        held = self._held.get(self.path)
+        if held is not None:
+            held[1] += 1
+            return self
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        fd = self._take(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._held[self.path] = [fd, 1]
+        return self
+
+    def probe(self) -> None:
+        """OutputBusy if another process holds the lock now (nothing is created or kept)."""
+        if self.path in self._held or not os.path.exists(self.path):
+            return
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return
+        os.close(self._take(fd))  # (taken and dropped at once; on failure _take has closed it)
+
+    def _take(self, fd: int) -> int:
+        import fcntl
+
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise OutputBusy(f"output_dir {self.output_dir!r} is in use by another run (pid {holder}): two runs "
+                             f"writing there would interleave their checkpoints. Wait for it to end, or choose "
+                             f"another output_dir.") from None
+        return fd
+
+    def __exit__(self, *exc) -> None:
+        held = self._held[self.path]
+        held[1] -= 1
+        if held[1]:
+            return
+        del self._held[self.path]
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)  # (while still held: a new run creates and locks a new file)
+        os.close(held[0])
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Raise StorageError unless `output_dir` is (or can be made) a directory this process can write."""
+    if not output_dir or not str(output_dir).strip():
+        raise StorageError("output_dir is empty: name the directory the run writes to, e.g. output_dir: outputs/run")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise StorageError(f"output_dir {output_dir!r} is a file, not a directory: choose another output_dir or "
+                           f"move the file away")
+    probe = os.path.join(output_dir, f".write-probe-{os.getpid()}")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"0")
+        os.unlink(probe)
+    except OSError as e:
+        reason = {errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied",
+                  errno.EPERM: "permission denied", errno.ENOSPC: "the disk is full"}.get(e.errno, e.strerror)
+        raise StorageError(f"cannot write to output_dir {output_dir!r}: {reason}. Choose an output_dir you can write "
+                           f"to (or fix its permissions) -- checked before loading anything, so no training is lost."
+                           ) from None
+
+
+def free_bytes(path: str) -> int:
+    probe = path
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe) or "."
+    return shutil.disk_usage(probe).free
+
+
+def check_space(path: str, need_bytes: int, what: str) -> None:
+    """Raise StorageError when the filesystem of `path` has less than `need_bytes` free for `what`."""
+    free = free_bytes(path)
+    if free < need_bytes:
+        raise StorageError(f"not enough disk in {path!r} for {what}: it needs about {need_bytes / 2**30:.2f} GiB, "
+                           f"{free / 2**30:.2f} GiB are free. Free some space or point output_dir elsewhere.")
+
+
+def disk_full(exc: BaseException, path: str) -> bool:
+    """Whether `exc`, raised while writing under `path`, means the disk is full."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(w in str(exc).lower() for w in _FULL_WORDS):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    with contextlib.suppress(OSError):
+        return free_bytes(path) < 2**20  # a writer's own wording: what the disk says
+    return False
+
+
+def fsync_tree(path: str) -> None:
+    """Flush every file under `path` and the directories themselves to disk."""
+    for root, dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems do not sync directories
+        pass
+    finally:
+        os.close(fd)
+
+
+def publish(staged: str, final: str) -> None:
+    """Atomically make the complete directory `staged` appear as `final` (replacing an older one): flushed to disk
+    first, so what appears is complete after a power loss too."""
+    fsync_tree(staged)
+    parent = os.path.dirname(final)
+    old = None
+    if os.path.exists(final):  # rename() cannot replace a non-empty directory: move the old one aside first
+        old = os.path.join(parent, STAGING_PREFIX + "old-" + os.path.basename(final))
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(staged, final)
+    fsync_dir(parent)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def publish_into(staged: str, dest: str) -> None:
+    """Every file under `staged` renamed into the same place under `dest` (replacing those of the same name), each
+    flushed to disk first: output_dir holds other things (checkpoints), so it cannot be replaced whole."""
+    fsync_tree(staged)
+    for root, dirs, files in os.walk(staged):
+        target = os.path.normpath(os.path.join(dest, os.path.relpath(root, staged)))
+        os.makedirs(target, exist_ok=True)
+        for name in files:
+            os.replace(os.path.join(root, name), os.path.join(target, name))
+        fsync_dir(target)
+
+
+@contextlib.contextmanager
+def staged_save(output_dir: str, what: str):
+    """Yield a staging directory to save into; when the block completes, its files are moved into `output_dir`
+    (replacing those of the same name), so a save cut short leaves only the staging directory, removed here or by the
+    next run -- never a half-written model beside a config that looks complete. A full disk becomes StorageError."""
+    staging = os.path.join(output_dir, STAGING_FINAL)
+    existed = os.path.isdir(output_dir)
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    try:
+        yield staging
+        publish_into(staging, output_dir)
+    except Exception as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not existed:  # (made for this save: nothing of it stays)
+            with contextlib.suppress(OSError):
+                os.rmdir(output_dir)
+        if disk_full(e, output_dir):
+            raise StorageError(f"out of disk space while writing {what} to {output_dir!r} "
+                               f"({free_bytes(output_dir) / 2**30:.2f} GiB free); nothing of it was kept. Free some "
+                               f"space and save again (checkpoints, if any, are intact).") from None
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

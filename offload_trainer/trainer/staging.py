@@ -1,0 +1,119 @@
+"""Checkpoints through the Trainer: the newest complete one found and checked before anything loads, the disk
+checked for one, each written into a staging directory and published when complete (checkpoint.py), and the
+streamed optimizer's states saved per rank and loaded memory-mapped, straight into its pinned buffers."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import warnings
+
+import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+
+from ..engine.sizes import state_bytes
+from ..errors import CheckpointError, StorageError
+from .checkpoint import (check_checkpoint, clean_staging, load_optimizer_states, newest_complete_checkpoint,
+                         optimizer_shard_name)
+from .outputs import STAGING_PREFIX, check_space, disk_full, free_bytes, publish
+from .run_state import RunState
+
+logger = logging.getLogger("offload_trainer")
+
+
+def resolve_resume(trainer, resume):
+    """True / 'true' -> the newest complete checkpoint in output_dir; a path -> checked before anything loads."""
+    if isinstance(resume, str) and resume.strip().lower() in ("true", "latest", "false", "none", ""):
+        resume = resume.strip().lower() in ("true", "latest")
+    if trainer.args.should_save:
+        clean_staging(trainer.args.output_dir)  # what a killed save left behind
+    trainer.accelerator.wait_for_everyone()
+    if resume is True:
+        found = newest_complete_checkpoint(trainer.args.output_dir, trainer.model)
+        if found is None:  # the Trainer's own words first: scripts match on them
+            raise CheckpointError(f"No valid checkpoint found in output directory ({trainer.args.output_dir}): "
+                                  f"resume_from_checkpoint: true, but it holds no complete checkpoint-N "
+                                  f"directory. Start without resume_from_checkpoint.")
+        logger.info("resuming from %s", found)
+        return found
+    if resume:
+        check_checkpoint(str(resume), trainer.model)
+        return str(resume)
+    return None
+
+
+def check_disk(trainer, run: RunState) -> None:
+    if getattr(trainer.args.save_strategy, "value", trainer.args.save_strategy) == "no" or not trainer.args.should_save:
+        return
+    weights = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    states = state_bytes(trainable) if run.streaming else 8 * trainable
+    # a new checkpoint is written in full before the previous one can be rotated out
+    check_space(trainer.args.output_dir, int((weights + states) * 1.05) + 2**20, "one checkpoint (weights and "
+                "optimizer states; or set save_strategy: 'no', and save the model yourself)")
+
+
+def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
+    """The Trainer's checkpoint (`save`: its own `_save_checkpoint`), written into a staging directory and renamed
+    into place when complete; a full disk becomes StorageError, the previous checkpoint intact."""
+    run_dir = trainer._get_output_dir(trial)
+    name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    staging = os.path.join(run_dir, STAGING_PREFIX + name)
+    main = trainer.args.should_save  # several ranks write into one staging dir; the main one publishes it
+    if main:
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+    trainer.accelerator.wait_for_everyone()
+    run.staging_dir = staging  # (the Trainer's _get_output_dir answers it while `save` runs)
+    try:
+        save(model, trial)
+        trainer.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is written
+        if main:
+            publish(os.path.join(staging, name), os.path.join(run_dir, name))
+        trainer.accelerator.wait_for_everyone()
+    except Exception as e:  # torch.save and safetensors report a full disk in their own words
+        if not disk_full(e, run_dir):
+            raise
+        prev = newest_complete_checkpoint(run_dir)
+        raise StorageError(f"out of disk space while saving {name} in {run_dir!r} "
+                           f"({free_bytes(run_dir) / 2**30:.2f} GiB free); nothing was "
+                           f"published. " + (f"The previous checkpoint {prev} is intact. " if prev else "")
+                           + "Free some space and resume with resume_from_checkpoint: true.") from None
+    finally:
+        run.staging_dir = None
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+    best = trainer.state.best_global_step
+    if best and os.path.isdir(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")):
+        trainer.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+    if trainer.args.should_save:  # the Trainer rotated inside the staging directory: rotate the real one
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
+                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+
+
+def save_optimizer_shard(trainer, run: RunState, output_dir) -> None:
+    """Data parallel: each rank owns part of the states and writes its own shard (rank 0 the scheduler)."""
+    os.makedirs(output_dir, exist_ok=True)
+    torch.save(run.optimizer.state_dict(),
+               os.path.join(output_dir, optimizer_shard_name(trainer.args.process_index, trainer.args.world_size)))
+    if trainer.args.should_save:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, "scheduler.pt"))
+
+
+def load_streamed_states(trainer, run: RunState, checkpoint) -> bool:
+    """The streamed optimizer's states (and the scheduler) from `checkpoint`; False when there are none to load
+    this way (the Trainer's own load then runs)."""
+    states = load_optimizer_states(checkpoint) if checkpoint and run.optimizer is not None else None
+    if states is None:
+        return False
+    # mmap: the states go from the file's pages straight into the pinned buffers, never a second copy in RAM;
+    # with several ranks each keeps the tensors it owns, whatever the number of ranks that saved them
+    run.optimizer.load_state_dict(states)
+    sched = os.path.join(checkpoint, "scheduler.pt")
+    if os.path.isfile(sched):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's "please also save the optimizer" notice
+            trainer.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+    return True

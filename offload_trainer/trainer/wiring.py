@@ -1,0 +1,217 @@
+"""What the Trainer shell builds from the run's settings, once per run: the plan (sized from the longest row the data
+gives), the layer-swap engine on the model's decoder layers, and the streamed optimizer over the Trainer's parameter
+groups. Each reads the switches from `run.settings` (never the arguments) and keeps what it built in `run`."""
+from __future__ import annotations
+
+import logging
+
+from ..errors import ConfigError
+from ..engine.distributed import Sharding
+from ..models import base_model
+from ..engine.optim import StreamedAdamW8bit
+from ..planner import Machine, PlanError, plan_for_run
+from .run_state import RunState
+from .seams import claim_device_map
+from ..engine.swap import LayerSwap, decoder_layers
+from ..sysinfo import gpu_budget_gib, host_memory_gib
+
+logger = logging.getLogger("offload_trainer")
+
+
+def make_plan(trainer, run: RunState) -> None:
+    """Run the planner once (logged), and let it decide the switches left unset."""
+    peft = hasattr(trainer.model, "get_base_model")
+    if run.plan is not None or not (run.streaming or peft):
+        return
+    limit = run.settings.gpu_memory_limit_gb
+    if not limit and trainer.args.device.type != "cuda":
+        return  # (a plan is of GPU memory, PCIe traffic and GPU step time: none applies on a CPU)
+    lora = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad) if peft else 0
+    bits = 4 if getattr(base_model(trainer.model), "is_loaded_in_4bit", False) else 16
+    config = getattr(trainer.model, "config", None)
+    seq = longest_row(trainer)
+    if config is None or not seq:
+        return
+    # no cap given: plan for the card (its free memory and what the model already holds), so the switches left
+    # unset (gradient and activation offload, layer swap, states kept on the GPU) suit it
+    gpu_gb = limit or gpu_budget_gib(Machine().cuda_context_gib)
+    others = reference_model_gib(trainer)
+    if others:
+        logger.info("plan: the reference model holds %.2f GiB of the GPU beside the trained one", others)
+    try:
+        # (the host's RAM too, as the command plans: speculative clipping is chosen only where it has room)
+        run.plan = plan_for_run(run.settings, config, seq, gpu_gb=gpu_gb, host_gb=host_memory_gib(),
+                                lora_params=lora, weight_bits=bits, other_models_gib=others)
+    except (AttributeError, TypeError) as e:  # not a decoder-only LM config the planner knows
+        logger.info("no plan: %s", e if isinstance(e, PlanError) else "the model's config has no shape the "
+                    "planner reads")
+        return
+    except PlanError as e:
+        if limit:
+            raise
+        if gpu_gb:  # (the card's own memory: warn, and let training try with the switches as given)
+            logger.warning("the planner finds no plan that fits this GPU (%.1f GiB): %s", gpu_gb, e)
+        return
+    logger.info("plan:\n%s", run.plan.table())
+
+
+def reference_model_gib(trainer) -> float:
+    """GiB of a frozen model the trainer also runs on the GPU: TRL's `ref_model` (DPO, KTO; None with PEFT, whose
+    disabled adapters give the reference)."""
+    import torch
+
+    ref = getattr(trainer, "ref_model", None)
+    if not isinstance(ref, torch.nn.Module) or ref is trainer.model:
+        return 0.0
+    tensors = [*ref.parameters(), *ref.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+
+
+def longest_row(trainer) -> int | None:
+    """Tokens in the longest row the training data can give, which the plan must hold: the configured maximum
+    (TRL's `max_length`) when there is one; else the longest `input_ids` of a `datasets.Dataset` (read from its
+    Arrow column, nothing decoded) or of the first 1,000 rows of another map-style dataset. None: no plan
+    (a stream without a maximum, or rows that are not token ids)."""
+    limit = getattr(trainer.args, "max_length", None) or getattr(trainer.args, "max_seq_length", None)
+    if isinstance(limit, int) and limit > 0:
+        return limit
+    ds = trainer.train_dataset
+    if ds is None or not hasattr(ds, "__len__") or not len(ds):
+        if ds is not None:
+            logger.info("plan: skipped -- a streaming dataset and no max_length to size it from")
+        return None
+    table = getattr(getattr(ds, "data", None), "table", None)
+    if table is not None and "input_ids" in table.column_names:
+        import pyarrow.compute as pc
+
+        return pc.max(pc.list_value_length(table.column("input_ids"))).as_py()
+    rows = [ds[i] for i in range(min(len(ds), 1000))]
+    lengths = [len(r["input_ids"]) for r in rows if isinstance(r, dict) and "input_ids" in r]
+    return max(lengths) if lengths else None
+
+
+def install_layer_swap(trainer, run: RunState) -> None:
+    """Keep `layer_swap` decoder layers on the device (planner's choice for 'auto'); the rest swap."""
+    setting = run.settings.layer_swap  # False: off, None: auto, else resident layers
+    if setting is False:
+        return
+    if trainer.model_init is not None:
+        raise ConfigError("layer_swap places the layers of the model the Trainer is built with, but model_init "
+                          "builds a new model at every train(): pass model=... instead of model_init")
+    model = trainer.model
+    inner = base_model(model)
+    layers = decoder_layers(inner)
+    if layers is None:
+        raise ConfigError("layer_swap needs a model whose decoder layers are an nn.ModuleList (every HF causal LM)")
+    if setting is None:
+        make_plan(trainer, run)
+        if run.plan is None:
+            raise ConfigError("layer_swap: auto asks the planner, which models decoder-only LMs trained on "
+                              "tokenized sequences; give the number of layers to keep on the GPU instead "
+                              f"(e.g. layer_swap: {len(layers) // 2})")
+        resident = run.plan.resident_layers
+    else:
+        resident = min(setting, len(layers))
+    device = trainer.args.device
+    in_layers = {id(m) for m in layers.modules()}
+    for m in inner.modules():  # everything but the decoder layers lives on the device
+        if id(m) not in in_layers:
+            for name, p in m._parameters.items():
+                if p is not None:
+                    p.data = p.data.to(device)
+            for name, b in m._buffers.items():
+                if b is not None:
+                    m._buffers[name] = b.to(device)
+    run.swap = swap = LayerSwap(layers, device, resident=resident, prefetch=run.settings.layer_swap_prefetch)
+    if run.settings.world_size > 1 and not run.streaming:
+        raise ConfigError("layer_swap with several processes needs offload_optimizer: true (the streamed optimizer "
+                          "reduces gradients itself; DistributedDataParallel cannot wrap swapped layers)")
+    if swap.trainable_swapped and not run.streaming:
+        raise ConfigError("layer_swap with trainable swapped layers (full finetune) needs offload_optimizer: true: "
+                          "the streamed optimizer updates each swapped layer while it is on the GPU. (With LoRA "
+                          "only the frozen base weights are swapped and any optimizer works.)")
+    claim_device_map(model, layers, device, swap.swapped_indices)
+    stats = swap.memory_stats()
+    logger.info("layer swap: %d of %d decoder layers on %s, %d in pinned CPU memory (%.2f GiB), "
+                "%.2f GiB of GPU slots, prefetch %d", stats["resident_layers"], len(layers), device,
+                stats["swapped_layers"], stats["host_bytes"] / 2**30, stats["gpu_slot_bytes"] / 2**30,
+                swap.prefetch)
+
+
+def device_state_bytes(run: RunState) -> int:
+    """`offload_device_states` in bytes: 'auto' takes the planner's choice (none without a plan)."""
+    value = run.settings.device_states
+    if value == "auto":
+        value = run.plan.device_state_gib if run.plan is not None and not run.sharded else 0.0
+    return int(value * 2**30)
+
+
+def streamed_optimizer(trainer, run: RunState, model=None):
+    """The streamed AdamW over the Trainer's two parameter groups (decay, no decay), attached to the model, with the
+    switches left unset decided by the plan; logged once. (The AdamW hyperparameters are the Trainer's own
+    arguments, read as its own optimizer would.)"""
+    if trainer.optimizer is not None:
+        return trainer.optimizer
+    s, args = run.settings, trainer.args
+    model = model if model is not None else trainer.model
+    decay = set(trainer.get_decay_parameter_names(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    accumulate = s.accumulation > 1
+    speculative = s.clips and run.decided("speculative_clipping")
+    if speculative and run.sharded:
+        raise ConfigError("speculative_clipping: true runs in one process; with several ranks the norm is "
+                          "clipped exactly (updates wait for the global norm): set speculative_clipping: false, or "
+                          "leave it unset")
+    offload_grads = run.decided("offload_gradients")
+    if s.offload_gradients is None and run.swap is not None and run.swap.trainable_swapped:
+        offload_grads = offload_grads or accumulate  # swapped layers' gradients must not pile up on the GPU
+    run.optimizer = opt = StreamedAdamW8bit(
+        groups,  # both, also when one is empty: get_learning_rates() lists them as the Trainer's do
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+        bf16_stochastic_round=s.stochastic_rounding,
+        update_in_backward=not s.clips,
+        speculative=speculative,
+        offload_gradients=(s.clips or accumulate) and offload_grads,
+        chunk_numel=s.chunk_numel,
+        inflight_chunks=s.inflight_chunks,
+        sharding=Sharding() if run.sharded else None,
+        fused=s.fused_update,
+        device_state_bytes=device_state_bytes(run),
+    )
+    opt.attach(model)
+    if run.swap is not None:
+        opt.set_residency(run.swap.touch, ahead=run.swap.prefetch, swapped=run.swap.swaps)
+    opt.sync_weights()  # data parallel: every rank starts from rank 0's weights
+    trainer.optimizer = opt
+    mode = ("during backward, clipped to max_grad_norm speculatively (a step whose clip fires is rolled back and "
+            "redone)" if speculative else "after backward, clipped to max_grad_norm" if s.clips else
+            "during backward (no clipping)")
+    if opt.offload_gradients:
+        mode += "; gradients wait in host memory" + (" between micro-batches" if accumulate else "")
+    logger.info("optimizer: AdamW, 8-bit states in %s memory, updates streamed %s%s",
+                "pinned CPU" if opt.device.type == "cuda" else "CPU", mode,
+                (f"; data parallel over {s.world_size} ranks, each holding its share of the states"
+                 if run.sharded else "")
+                + (f"; up to {opt.device_state_bytes / 2**30:.2f} GiB of them (the model's first "
+                   f"tensors) kept on the GPU" if opt.device_state_bytes else ""))
+    return opt
+
+
+def say_not_streaming(trainer, run: RunState, optimizer, model=None) -> None:
+    """The Trainer's own optimizer runs (the streamed one does not: `streams_optimizer` says why): said once."""
+    if run.not_streaming_why and "not streaming" not in run.said:
+        run.said.add("not streaming")
+        m = model if model is not None else trainer.model
+        weights = sum(p.numel() * p.element_size() for p in m.parameters()) / 2**30
+        grads = sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) / 2**30
+        logger.info("optimizer: %s, so the Trainer's own %s runs and nothing is offloaded: the %s holds the weights "
+                    "(%.2f GiB), their gradients (%.2f GiB) and its states", run.not_streaming_why,
+                    type(optimizer).__name__, "GPU" if trainer.args.device.type == "cuda" else trainer.args.device.type,
+                    weights, grads)

@@ -1,0 +1,177 @@
+"""The package's shape, read from its source: three layers that import only downwards, no import circle, small
+modules, and every offload switch's default and bound written once (settings.py)."""
+import ast
+import dataclasses
+import pathlib
+import re
+import sys
+
+import pytest
+
+PKG = pathlib.Path(__file__).resolve().parents[1] / "offload_trainer"
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for f in PKG.rglob("*.py"):
+        parts = list(f.relative_to(PKG).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = f
+    return out
+
+
+def _imports(mods: dict[str, pathlib.Path]) -> dict[str, set[str]]:
+    """Each module's imports of the package's own modules, at the top and inside functions alike."""
+    edges = {}
+    for mod, f in mods.items():
+        package = mod.split(".") if f.name == "__init__.py" else mod.split(".")[:-1]
+        package = [p for p in package if p]
+        found = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package[: len(package) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                elif (node.module or "").startswith("offload_trainer"):
+                    target = node.module[len("offload_trainer."):] if node.module != "offload_trainer" else ""
+                else:
+                    continue
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}" if target else alias.name
+                    found.add(sub if sub in mods else target)
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("offload_trainer."):
+                        found.add(alias.name[len("offload_trainer."):])
+        found.discard(mod)  # (a module's `if __name__ == "__main__"` importing itself by name)
+        edges[mod] = {m for m in found if m in mods}
+    return edges
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    edges = _imports(_modules())
+    assert edges["trainer.mixin"] and edges["cli.recipe"]  # (the graph was read: a negative control below)
+    assert _cycles(edges) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# Each layer and what it may import of the package ("" is the package itself, loaded lazily).
+SHARED = {"", "errors", "settings", "sysinfo"}
+LAYERS = {
+    "engine": SHARED,
+    "planner": SHARED | {"engine"},
+    "models": SHARED | {"engine", "planner", "data"},
+    "data": SHARED,
+    "trainer": SHARED | {"engine", "planner", "models"},
+    "cli": SHARED | {"engine", "planner", "models", "data", "trainer"},
+}
+
+
+def _layer(mod: str) -> str:
+    return mod.split(".")[0] if mod else ""
+
+
+def test_layers_import_only_downwards():
+    edges = _imports(_modules())
+    wrong = [(m, t) for m, targets in edges.items() if _layer(m) in LAYERS for t in targets
+             if _layer(t) != _layer(m) and _layer(t) not in LAYERS[_layer(m)]]
+    assert wrong == []
+
+
+def test_mechanisms_and_planner_import_torch_and_torchao_only():
+    heavy = re.compile(r"^\s*(?:from|import)\s+(transformers|peft|datasets|accelerate|trl|bitsandbytes)\b", re.M)
+    found = [str(f.relative_to(PKG)) for sub in ("engine", "planner") for f in (PKG / sub).rglob("*.py")
+             if heavy.search(f.read_text())]
+    assert found == []
+
+
+def test_no_module_over_400_lines():
+    long = {str(f.relative_to(PKG)): n for f in PKG.rglob("*.py") if (n := len(f.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def _our_fields():
+    from offload_trainer.trainer.args import OffloadFields
+
+    return {f.name: f.default for f in dataclasses.fields(OffloadFields) if f.name != "activation_checkpointing"}
+
+
+def test_every_switch_default_is_the_settings_one():
+    """The arguments' defaults and a plain TrainingArguments' resolved settings are the same values."""
+    from transformers import TrainingArguments
+
+    from offload_trainer.settings import OffloadSettings
+
+    fields = _our_fields()
+    from_ours = OffloadSettings.from_args(type("Args", (), dict(fields))())
+    from_plain = OffloadSettings.from_args(TrainingArguments(output_dir="/nonexistent", report_to="none"))
+    ignore = {"check_nonfinite", "max_nonfinite_steps", "batch", "max_grad_norm", "world_size"}
+    assert {k: v for k, v in dataclasses.asdict(from_ours).items() if k not in ignore} == \
+        {k: v for k, v in dataclasses.asdict(from_plain).items() if k not in ignore}
+    assert from_ours.max_nonfinite_steps == fields["max_nonfinite_steps"] > 0
+
+
+def test_defaults_and_bounds_are_written_once():
+    """Outside settings.py no module spells a switch's default (2**25, the chunk counts) or reads one of our fields
+    with a fallback of its own (`getattr(args, "layer_swap", "off")`): that is how two defaults drifted apart."""
+    names = "|".join(_our_fields())
+    fallback = re.compile(rf"getattr\([^,]+,\s*\"({names})\",")
+    literal = re.compile(r"2\s*\*\*\s*25\b|33554432|inflight_chunks\s*[:=]\s*(?:int\s*=\s*)?4\b|"
+                         r"chunk_size\s*:\s*int\s*=\s*1024|<\s*2\s*:.*inflight")
+    found = []
+    for f in PKG.rglob("*.py"):
+        if f.name == "settings.py":
+            continue
+        for i, line in enumerate(f.read_text().splitlines(), 1):
+            if fallback.search(line) or literal.search(line):
+                found.append(f"{f.relative_to(PKG)}:{i}: {line.strip()}")
+    assert found == []
+
+
+@pytest.mark.parametrize("line", ['x = getattr(args, "layer_swap", "off")', "chunk_numel: int = 2**25,",
+                                  "inflight_chunks: int = 4,"])
+def test_the_defaults_check_catches_a_second_default(line, tmp_path, monkeypatch):
+    """Negative control: a module that writes a default again fails the check above."""
+    fake = tmp_path / "offload_trainer"
+    fake.mkdir()
+    (fake / "rogue.py").write_text(line + "\n")
+    monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
+    with pytest.raises(AssertionError):
+        test_defaults_and_bounds_are_written_once()
