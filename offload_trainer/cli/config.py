@@ -21,11 +21,12 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
+from .limits import check_values
+from .run_args import DataArguments, ModelArguments
 
 
 def _arg_classes():
-    from ..trainer.args import OffloadTrainingArguments
-    from .run_args import DataArguments, ModelArguments
+    from ..trainer.args import OffloadTrainingArguments  # (imports transformers: a refused config answers before)
 
     return ModelArguments, DataArguments, OffloadTrainingArguments
 
@@ -224,13 +225,11 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> dict[st
     extra = parse_overrides(overrides or [])
     check_keys_and_types(extra, "override")
     cfg.update(extra)
-    from .limits import check_values
-
     problems = check_values(cfg)
     if problems:
         raise ConfigError(f"{path or 'config'}: " + "; ".join(problems))
     check_integrations(cfg)
-    from ..data import DataError, check_dataset_path
+    from ..data import DataError, check_dataset_path  # (imports torch)
 
     try:
         check_dataset_path(cfg.get("dataset_name") or cfg.get("dataset_path", "builtin"))

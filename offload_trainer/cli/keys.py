@@ -13,6 +13,9 @@ import sys
 import textwrap
 from importlib import metadata, resources
 
+from .config import ALIASES, field_types
+from .run_args import DataArguments, ModelArguments
+
 SHIPPED = "keys.json"
 
 
@@ -25,8 +28,6 @@ def build_table() -> dict:
     import typing
 
     from ..trainer.args import OffloadTrainingArguments
-    from .run_args import DataArguments, ModelArguments
-    from .config import ALIASES, field_types
 
     from transformers import TrainingArguments
 

@@ -14,6 +14,7 @@ import os
 import shutil
 
 from ..errors import MergeError
+from ..trainer.outputs import staged_save
 
 SKIP = {"adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "README.md"}
 
@@ -58,7 +59,6 @@ def merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
     """Write base + adapters into `out_dir` (returned); the base's dtype kept."""
     from safetensors.torch import load_file, save_file
 
-    from ..trainer.outputs import staged_save
 
     pairs, scale = lora_pairs(adapter_dir)
     left = dict(pairs)

@@ -9,9 +9,12 @@ import os
 import re
 import shutil
 
+from .. import sysinfo
 from ..errors import ConfigError, OutputBusy
-from ..trainer.outputs import OutputLock, check_output_dir, check_space
-from .config import load_config, parse_args
+from ..planner import Machine
+from ..settings import OffloadSettings
+from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save
+from .config import load_config, load_yaml, parse_args, parse_overrides
 
 logger = logging.getLogger("offload_trainer")
 
@@ -22,8 +25,7 @@ def train(config: str, overrides: list[str]) -> str:
     """Train from a YAML config; returns the output directory."""
     refuse_busy_output_dir(config, overrides)  # in a fraction of a second: before transformers is imported
     cfg = load_config(config, overrides)  # every check that needs no model happens here
-    from ..settings import OffloadSettings
-    from ..trainer.args import streams_optimizer
+    from ..trainer.args import streams_optimizer  # (transformers: loaded once the config is known good)
 
     model_args, data_args, training_args = parse_args(cfg)  # (every switch and conflict checked as they are built)
     settings = OffloadSettings.from_args(training_args)
@@ -42,9 +44,6 @@ def train(config: str, overrides: list[str]) -> str:
                 settings.gpu_memory_limit_gb or training_args.device.type == "cuda"):
             # the run's one plan, before any weights (refused if it cannot fit a cap; none on a CPU: it plans GPU
             # memory); with no cap, for this GPU's memory, as the Trainer would plan
-            from .. import sysinfo
-            from ..planner import Machine
-
             plan = make_plan(model_args, data_args, settings, model_config=model_config, strict=False,
                              gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib))
             if plan is not None:
@@ -63,10 +62,6 @@ def train(config: str, overrides: list[str]) -> str:
 
 def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: float | None = None,
                  gpus: int | None = None) -> None:
-    from .. import sysinfo
-    from ..planner import Machine
-    from ..settings import OffloadSettings
-
     cfg = load_config(config, overrides)
     model_args, data_args, training_args = parse_args(cfg)
     # no gpu_memory_limit_gb: on a machine with a GPU, plan for it, as the Trainer will
@@ -139,8 +134,6 @@ def make_plan(model_args, data_args, settings, host_gb: float | None = None, gpu
 def refuse_busy_output_dir(config: str, overrides: list[str]) -> None:
     """OutputBusy if another run holds the config's output_dir (read from the YAML alone; a config that cannot be read
     is left to load_config to report)."""
-    from .config import load_yaml, parse_overrides
-
     try:
         out = {**load_yaml(config), **parse_overrides(overrides)}.get("output_dir")
     except ConfigError:
@@ -293,7 +286,6 @@ def _one_line_per_log(trainer) -> None:
 def write_outputs(trainer, tokenizer, model_args) -> None:
     """The trained model (adapters first with LoRA, each save staged so a failed one leaves nothing complete-looking),
     the trainer state, the plots; pushed to the Hub only once everything is written."""
-    from ..trainer.outputs import staged_save
     from ..planner import SAVE_SHARD_BYTES
 
     args = trainer.args

@@ -10,6 +10,7 @@ import torch
 
 from ..data.sources import builtin_asset
 from ..errors import ConfigError
+from ..planner import ModelShape
 from .layerwise_4bit import pretrained_4bit_layerwise, random_init_4bit
 from .registry import DTYPES, VISION_LM_TARGETS, architecture_config, base_model, model_class
 
@@ -40,8 +41,6 @@ def random_init_device(config, dtype: torch.dtype, device: torch.device, budget_
     """Where to build a random-init model: on `device` (a GPU) when its weights fit there, within `budget_gib` and
     the free memory, with 1 GiB to spare -- seconds, where initializing an 8B model on the CPU took over 4 minutes
     (H200 machine, 16 cores) -- else on the CPU. The same seed gives other weights on the GPU than on the CPU."""
-    from ..planner import ModelShape
-
     if device.type != "cuda":
         return torch.device("cpu")
     need = ModelShape.from_config(config).params * dtype.itemsize + 2**30

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ..engine.swap import layer_stacks
+
 # Shared by the Llama-3.2 Vision sizes (90B, 11B): Llama-3.1's long-context RoPE and the 40-layer vision encoder.
 # (architecture_config deep-copies an entry before use.)
 _LLAMA31_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -129,8 +131,6 @@ def model_class(config):
 
 def layer_lists(model: torch.nn.Module) -> list[torch.nn.ModuleList]:
     """The stacks of repeated blocks, longest first (swap.layer_stacks: one definition)."""
-    from ..engine.swap import layer_stacks
-
     return layer_stacks(model)
 
 
