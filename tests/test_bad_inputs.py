@@ -1,6 +1,7 @@
 """Every row of docs/bad-inputs.md: the message names the problem and the fix, no traceback for user errors,
 nothing on disk is damaged. Rows and tests are matched by id: a row without a test (or the reverse) fails."""
 import errno
+import json
 import os
 import re
 import shutil
@@ -242,6 +243,85 @@ def test_damaged_newest_checkpoint(trained, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------- training
+def test_finished_run_resumed(trained, tmp_path, capsys):
+    """A finished run re-run with resume_from_checkpoint: true (also with save_total_limit: 1) trains nothing and
+    changes nothing: the Trainer would train one step past max_steps and write that model over the finished one."""
+    for extra in ([], ["save_total_limit=1"]):
+        (tmp_path / f"run{len(extra)}").mkdir()
+        case = copy_run(trained, tmp_path / f"run{len(extra)}")
+        expect(case, capsys, 0, "holds a finished run (step 2, max_steps reached) and its model: nothing to train",
+               argv=["resume_from_checkpoint=true", *extra])
+    (tmp_path / "more").mkdir()
+    case = copy_run(trained, tmp_path / "more")  # asking for more steps resumes and trains them
+    rc, err = case.run(capsys, "resume_from_checkpoint=true", "max_steps=3")
+    assert rc == 0 and "resuming from" in err and (case.out / "checkpoint-3").is_dir()
+
+
+def test_resume_from_another_directory(trained, tmp_path, capsys):
+    """A checkpoint of another run's directory starts a new run here: an earlier run in output_dir is refused as
+    without resume (it would be replaced without a word)."""
+    other = tmp_path / "other"
+    shutil.copytree(trained, other)
+    case = copy_run(trained, tmp_path)
+    expect(case, capsys, 5, "holds checkpoints up to checkpoint-2 of an earlier run",
+           argv=[f"resume_from_checkpoint={other / 'checkpoint-2'}", "max_steps=3"])
+
+
+def test_output_dir_is_the_model(tmp_path, capsys):
+    """output_dir naming the directory of the pretrained model it trains (pytorch_model.bin there) is refused."""
+    from transformers import AutoModelForCausalLM
+
+    from cli_cases import tree_hash
+    from offload_trainer.models import architecture_config
+
+    model_dir = tmp_path / "model"
+    AutoModelForCausalLM.from_config(architecture_config("tiny-llama", {"num_hidden_layers": 2})).save_pretrained(
+        model_dir, safe_serialization=False)
+    from transformers import AutoTokenizer
+
+    from offload_trainer.data.sources import builtin_asset
+
+    AutoTokenizer.from_pretrained(builtin_asset("tokenizer")).save_pretrained(model_dir)
+    before = tree_hash(model_dir)
+    case = Case(tmp_path, f"model_config: null\nmodel_overrides: null\nmodel_name_or_path: {model_dir}\n"
+                          f"output_dir: {model_dir}\n")
+    for extra in ([], ["overwrite_output_dir=true"]):
+        expect(case, capsys, 5, "is the directory of the model it trains (model_name_or_path)", argv=extra)
+        assert tree_hash(model_dir) == before
+
+
+def test_links_planted_in_output_dir(tmp_path, capsys):
+    """A shared output_dir with a link planted at the name of every file the run writes there (lock, write probe,
+    model, config, tokenizer, training_args.bin, trainer_state.json, plots): the run replaces the links, and not
+    one byte is written through them."""
+    case = Case(tmp_path, "overwrite_output_dir: true\n")
+    victims = tmp_path / "victims"
+    victims.mkdir()
+    case.out.mkdir()
+    names = [".offload-trainer.lock", f".write-probe-{os.getpid()}", "model.safetensors", "config.json",
+             "generation_config.json", "tokenizer.json", "tokenizer_config.json", "training_args.bin",
+             "trainer_state.json", "loss.png", "throughput.png", "memory.png"]
+    for name in names:
+        (victims / name).write_text("not yours")
+        (case.out / name).symlink_to(victims / name)
+    rc, err = case.run(capsys)
+    assert rc == 0, err
+    assert {n: (victims / n).read_text() for n in names} == {n: "not yours" for n in names}
+    written = [n for n in names if (case.out / n).exists()]
+    assert not any((case.out / n).is_symlink() for n in written) and "model.safetensors" in written
+    assert json.loads((case.out / "trainer_state.json").read_text())["global_step"] == 2
+
+
+def test_secrets_stay_out_of_output_dir(tmp_path, capsys):
+    """hub_token is not written into output_dir or its checkpoints (training_args.bin pickles the arguments)."""
+    case = Case(tmp_path)
+    rc, err = case.run(capsys, "hub_token=hf_NOT_A_REAL_SECRET_42")
+    assert rc == 0, err
+    files = [f for f in case.out.rglob("*") if f.is_file()]
+    assert any(f.name == "training_args.bin" for f in files)
+    assert [str(f) for f in files if b"hf_NOT_A_REAL_SECRET_42" in f.read_bytes()] == []
+
+
 def test_nonfinite_steps(tmp_path, capsys):
     """A NaN loss at every step: each skipped, then the run stops (exit 3) with the weights untouched."""
     from offload_trainer import trainer as trainer_mod

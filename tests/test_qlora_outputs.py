@@ -67,6 +67,37 @@ def test_merge_refuses_adapters_of_another_model(tmp_path, capsys):
     assert not (tmp_path / "adapters" / "merged").exists()
 
 
+def test_merge_refuses_an_out_that_is_not_new(tmp_path, capsys):
+    """--out the base, the adapters' run, another run, or a directory with a model of its own: refused, nothing
+    written; a merge written before is replaced."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from cli_cases import tree_hash
+
+    base_dir = save_base(tmp_path / "base", torch.float32)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model.save_pretrained(tmp_path / "adapters")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "trainer_state.json").write_text("{}")
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"an older model")
+    for out, needle in ((base_dir, "is the base model's directory"), (tmp_path / "adapters", "is the adapters' run"),
+                        (run, "holds a training run"), (stale, "holds files the base does not have")):
+        before = (tree_hash(base_dir), tree_hash(out))
+        assert cli.main(["merge", str(tmp_path / "adapters"), "--base", str(base_dir), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err
+        assert (tree_hash(base_dir), tree_hash(out)) == before
+    again = tmp_path / "merged"
+    for _ in range(2):  # (the second replaces the first)
+        assert cli.main(["merge", str(tmp_path / "adapters"), "--base", str(base_dir), "--out", str(again)]) == 0
+    assert AutoModelForCausalLM.from_pretrained(again, dtype=torch.float32) is not None
+
+
 def test_qlora_run_writes_adapters_that_reload_with_plain_transformers_and_peft(tmp_path, capsys, monkeypatch):
     """QLoRA through the command: the adapters (no merged model), the log names the merge command; reloaded with
     transformers' own 4-bit load and peft they give the trained model's logits; merged into the bf16 base they give

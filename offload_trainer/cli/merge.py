@@ -55,11 +55,36 @@ def base_shards(base_dir: str) -> list[str]:
                      f"the base model's own bf16 checkpoint")
 
 
+TOKENIZER_FILES = ("tokenizer", "special_tokens", "chat_template")  # (the adapters' run saved the tokenizer it used)
+
+
+def check_merge_target(adapter_dir: str, base_dir: str, out_dir: str) -> None:
+    """`--out` must be a new or empty directory, or a merged model written before: never the base itself, the
+    adapters' run, or another model (its weights would be replaced, or left beside the new shards and loaded)."""
+    out = os.path.realpath(out_dir)
+    for other, what in ((base_dir, "the base model's directory (--base)"), (adapter_dir, "the adapters' run")):
+        if out == os.path.realpath(other):
+            raise MergeError(f"--out {out_dir!r} is {what}: the merge would overwrite it. Give a new directory, "
+                             f"e.g. --out {os.path.join(adapter_dir, 'merged')}")
+    if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+        return
+    names = set(os.listdir(out_dir))
+    if names & {"trainer_state.json", "adapter_config.json"} or any(n.startswith("checkpoint-") for n in names):
+        raise MergeError(f"--out {out_dir!r} holds a training run (trainer_state.json, checkpoints or adapters): "
+                         f"the merge would replace its files. Give a new directory.")
+    ours = set(os.listdir(base_dir)) | {n for n in os.listdir(adapter_dir) if n.startswith(TOKENIZER_FILES)}
+    if not names <= ours:  # (a merge written there before holds only these)
+        raise MergeError(f"--out {out_dir!r} holds files the base does not have ({', '.join(sorted(names)[:3])}"
+                         f"{', ...' if len(names) > 3 else ''}): a model written there before would be loaded "
+                         f"beside the merge. Give a new or empty directory.")
+
+
 def merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
     """Write base + adapters into `out_dir` (returned); the base's dtype kept."""
     from safetensors.torch import load_file, save_file
 
 
+    check_merge_target(adapter_dir, base_dir, out_dir)
     pairs, scale = lora_pairs(adapter_dir)
     left = dict(pairs)
     with staged_save(out_dir, "the merged model") as staging:
@@ -82,6 +107,6 @@ def merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
             if os.path.isfile(path) and not name.endswith(".safetensors") and name not in SKIP:
                 shutil.copy(path, os.path.join(staging, name))
         for name in os.listdir(adapter_dir):  # the tokenizer the run trained with, if it saved one
-            if name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            if name.startswith(TOKENIZER_FILES):
                 shutil.copy(os.path.join(adapter_dir, name), os.path.join(staging, name))
     return out_dir

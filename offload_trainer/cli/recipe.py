@@ -4,6 +4,7 @@ written (model, merged LoRA model, state, plots), each save staged. `offload-tra
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -13,7 +14,7 @@ from .. import sysinfo
 from ..errors import ConfigError, OutputBusy
 from ..planner import Machine
 from ..settings import OffloadSettings
-from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save
+from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save, written_in_place_of
 from .config import load_config, load_yaml, parse_args, parse_overrides
 
 logger = logging.getLogger("offload_trainer")
@@ -36,7 +37,13 @@ def train(config: str, overrides: list[str]) -> str:
         check_output_dir(out)
     with OutputLock(out) if main_rank else contextlib.nullcontext():
         if main_rank:
-            check_earlier_run(training_args)
+            check_earlier_run(training_args, model_args)
+        done = finished_step(training_args)
+        if done is not None:  # (every rank reads the same files: all return)
+            logger.info("output_dir %s holds a finished run (step %d, max_steps reached) and its model: nothing to "
+                        "train, nothing changed. Raise max_steps to train further, or choose another output_dir.",
+                        out, done)
+            return out
         model_config = model_config_of(model_args)  # (read once: a checkpoint's config.json may be remote)
         check_model_fits_data(model_args, data_args, model_config)
         plan = None
@@ -142,15 +149,52 @@ def refuse_busy_output_dir(config: str, overrides: list[str]) -> None:
         OutputLock(os.path.expanduser(out)).probe()
 
 
-def check_earlier_run(training_args) -> None:
+def resumes_here(training_args) -> bool:
+    """The run continues one in its own output_dir (`resume_from_checkpoint: true`, or a checkpoint inside it); a
+    checkpoint of another directory starts a new run in this one."""
+    resume = training_args.resume_from_checkpoint
+    if not resume or str(resume).strip().lower() in ("false", "none", ""):
+        return False
+    if str(resume).strip().lower() in ("true", "latest"):
+        return True
+    return os.path.realpath(resume).startswith(os.path.realpath(training_args.output_dir) + os.sep)
+
+
+def finished_step(training_args) -> int | None:
+    """The step a finished run in output_dir ended at, when this one resumes it and asks for no more steps: its
+    trainer_state.json (written with the final model) at or past max_steps, no newer checkpoint. The Trainer would
+    otherwise train one more step and write its model over the finished one."""
+    path = os.path.join(training_args.output_dir, "trainer_state.json")
+    if not resumes_here(training_args) or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        step, planned = int(state["global_step"]), int(state["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    target = training_args.max_steps if training_args.max_steps > 0 else planned
+    steps = [int(n.split("-")[1]) for n in os.listdir(training_args.output_dir) if CHECKPOINT_DIR.match(n)]
+    return step if step >= target and max(steps, default=0) <= step else None
+
+
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin",
+               "pytorch_model.bin.index.json")
+
+
+def check_earlier_run(training_args, model_args) -> None:
     """An output_dir holding an earlier run is refused unless this run resumes it or asks to start over: the new
-    run's checkpoints would silently replace and interleave with the old ones."""
+    run's checkpoints would silently replace and interleave with the old ones. The model's own directory is refused
+    always (overwrite_output_dir would delete the weights it loads)."""
     out = training_args.output_dir
-    if not os.path.isdir(out) or training_args.resume_from_checkpoint:
+    base = model_args.model_name_or_path
+    if base and os.path.isdir(out) and os.path.realpath(base) == os.path.realpath(out):
+        raise OutputBusy(f"output_dir {out!r} is the directory of the model it trains (model_name_or_path): the run "
+                         f"would write its checkpoints and model over the weights. Choose another output_dir.")
+    if not os.path.isdir(out) or resumes_here(training_args):
         return
     ckpts = sorted((n for n in os.listdir(out) if CHECKPOINT_DIR.match(n)), key=lambda n: int(n.split("-")[1]))
-    finished = [n for n in ("trainer_state.json", "model.safetensors", "adapter_model.safetensors",
-                            "model.safetensors.index.json") if os.path.exists(os.path.join(out, n))]
+    finished = [n for n in ("trainer_state.json", *MODEL_FILES) if os.path.exists(os.path.join(out, n))]
     if not ckpts and not finished:
         return
     if training_args.overwrite_output_dir:
@@ -294,7 +338,9 @@ def write_outputs(trainer, tokenizer, model_args) -> None:
         check_space(args.output_dir, final_output_bytes(model_args, trainer.model.config), "the trained model")
     try:
         trainer.save_model()
-        trainer.save_state()
+        if trainer.is_world_process_zero():  # (Trainer.save_state's file, written without following a link)
+            with written_in_place_of(os.path.join(args.output_dir, "trainer_state.json")) as tmp:
+                trainer.state.save_to_json(tmp)
         if model_args.lora_r and getattr(model_args, "load_in_4bit", False):
             how = (f"into the bf16 base, one shard at a time: offload-trainer merge {args.output_dir} --base "
                    f"{model_args.model_name_or_path}" if model_args.model_name_or_path else

@@ -12,6 +12,8 @@ import glob
 import json
 import os
 
+from ..trainer.outputs import written_in_place_of
+
 SERIES = {
     "loss.png": [("loss", "train loss"), ("eval_loss", "eval loss")],
     "throughput.png": [("tok_per_s", "tokens / s")],
@@ -109,7 +111,8 @@ def write_report(output_dir: str, source=None) -> list[str]:
         ax.set_title(f"{os.path.basename(os.path.abspath(output_dir))}: {name[:-4]}")
         fig.tight_layout()
         path = os.path.join(output_dir, name)
-        fig.savefig(path)
+        with written_in_place_of(path) as tmp:
+            fig.savefig(tmp, format="png")
         plt.close(fig)
         written.append(path)
     return written

@@ -7,8 +7,9 @@ own `HfArgumentParser` (see `config.py`).
 """
 from __future__ import annotations
 
-import os
+import copy
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -229,6 +230,22 @@ class OffloadFields:
         default=None,
         metadata={"help": "Cap this process's GPU memory (GiB), e.g. 24 to emulate a 24 GB card on a bigger one."},
     )
+
+    def __getstate__(self) -> dict:
+        """Pickled -- the Trainer writes `training_args.bin` into output_dir and every checkpoint -- without secrets:
+        `hub_token` (any `*_token` text) is None there. Copies keep it (`__copy__`, `__deepcopy__`)."""
+        return {k: None if k.endswith("_token") and isinstance(v, str) else v for k, v in self.__dict__.items()}
+
+    def __copy__(self):
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo):
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
     @property
     def place_model_on_device(self) -> bool | None:

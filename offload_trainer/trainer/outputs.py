@@ -19,6 +19,7 @@ import errno
 import logging
 import os
 import shutil
+import tempfile
 
 from ..errors import OutputBusy, StorageError
 
@@ -46,7 +47,7 @@ class OutputLock:
             held[1] += 1
             return self
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        fd = self._take(os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644))
+        fd = self._take(open_no_follow(self.path, os.O_RDWR | os.O_CREAT, 0o644))
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._held[self.path] = [fd, 1]
@@ -57,8 +58,8 @@ class OutputLock:
         if self.path in self._held or not os.path.exists(self.path):
             return
         try:
-            fd = os.open(self.path, os.O_RDONLY)
-        except OSError:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # (gone, or a link planted there: not a lock anyone holds)
             return
         os.close(self._take(fd))  # (taken and dropped at once; on failure _take has closed it)
 
@@ -86,6 +87,34 @@ class OutputLock:
         os.close(held[0])
 
 
+def open_no_follow(path: str, flags: int, mode: int = 0o644) -> int:
+    """`os.open` of a file of ours in output_dir, never through a link planted there (a shared or /tmp directory):
+    a link or a stale file of that name is removed and the file made anew. Our names only (the lock, the probe)."""
+    flags |= os.O_NOFOLLOW
+    try:
+        return os.open(path, flags, mode)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.EEXIST):
+            raise
+    os.unlink(path)  # (the link itself, not what it points to)
+    return os.open(path, flags | os.O_EXCL, mode)
+
+
+@contextlib.contextmanager
+def written_in_place_of(path: str):
+    """Yield a new temporary path beside `path`; once the block has written it, it is renamed over `path`: a link
+    planted at `path` is replaced, never written through, and a reader never sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=STAGING_PREFIX)
+    os.close(fd)
+    os.chmod(tmp, 0o644)  # (mkstemp's 0600 is for secrets; a plot or a state file is read by others)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
 def check_output_dir(output_dir: str) -> None:
     """Raise StorageError unless `output_dir` is (or can be made) a directory this process can write."""
     if not output_dir or not str(output_dir).strip():
@@ -96,8 +125,11 @@ def check_output_dir(output_dir: str) -> None:
     probe = os.path.join(output_dir, f".write-probe-{os.getpid()}")
     try:
         os.makedirs(output_dir, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"0")
+        fd = open_no_follow(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
         os.unlink(probe)
     except OSError as e:
         reason = {errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied",
