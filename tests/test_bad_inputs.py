@@ -243,6 +243,28 @@ def test_damaged_newest_checkpoint(trained, tmp_path, capsys):
 
 
 # ---------------------------------------------------------------------------------------------------- training
+def test_same_size_damage_in_a_checkpoint(trained, tmp_path, capsys):
+    """One byte changed in the newest checkpoint's optimizer.pt (its size unchanged), or bytes cut from its middle:
+    checksums.json (written at save time) finds it; resume_from_checkpoint: true falls back to the checkpoint
+    before, with one line, and continues as a run never stopped would from there."""
+    for how in ("flip", "cut"):
+        (tmp_path / how).mkdir()
+        case = copy_run(trained, tmp_path / how)
+        opt = case.out / "checkpoint-2" / "optimizer.pt"
+        data = bytearray(opt.read_bytes())
+        mid = len(data) // 2
+        if how == "flip":
+            data[mid] ^= 0xFF
+        else:
+            del data[mid:mid + 64]
+        opt.write_bytes(bytes(data))
+        rc, err = case.run(capsys, "resume_from_checkpoint=true", "max_steps=3")
+        assert rc == 0, err
+        assert "skipping checkpoint-2: checkpoint" in err and "is damaged: optimizer.pt" in err
+        assert "resuming from" in err and err.count("skipping checkpoint-2") == 1
+        assert f"{case.out / 'checkpoint-1'}" in err.split("resuming from", 1)[1].splitlines()[0]
+
+
 def test_finished_run_resumed(trained, tmp_path, capsys):
     """A finished run re-run with resume_from_checkpoint: true (also with save_total_limit: 1) trains nothing and
     changes nothing: the Trainer would train one step past max_steps and write that model over the finished one."""

@@ -351,6 +351,29 @@ def test_overwrite_output_dir(trained, tmp_path, capsys):
     assert before["global_step"] == 2
 
 
+def test_overwrite_output_dir_keeps_the_earlier_run_until_replaced(trained, tmp_path, capsys):
+    """overwrite_output_dir with a data file whose bad row stops the new run before its first checkpoint: the
+    earlier run is back as it was; a kill (SIGKILL) at the same point leaves it set aside, and the next start puts it
+    back."""
+    from cli_cases import tree_hash
+
+    case = copy_run(trained, tmp_path)
+    before = tree_hash(case.out)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": \n')
+    rc, err = case.run(capsys, "overwrite_output_dir=true", f"dataset_path={bad}")
+    assert rc == 2 and "not valid JSON" in err and "the earlier run in" in err and "is back as it was" in err
+    assert tree_hash(case.out) == before
+    aside = case.out / ".earlier-run"  # as a SIGKILL after setting aside would leave it
+    aside.mkdir()
+    for p in list(case.out.iterdir()):
+        if p.name != ".earlier-run":
+            p.rename(aside / p.name)
+    rc, err = case.run(capsys, "resume_from_checkpoint=true", "max_steps=2")
+    assert rc == 0 and "is back as it was" in err and "holds a finished run (step 2" in err
+    assert tree_hash(case.out) == before
+
+
 # ---------------------------------------------------------------------------------------------------- checkpoints
 @pytest.mark.parametrize("row, name", [("checkpoint-without-optimizer", "optimizer.pt"),
                                        ("checkpoint-without-scheduler", "scheduler.pt"),

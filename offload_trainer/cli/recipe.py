@@ -14,7 +14,8 @@ from .. import sysinfo
 from ..errors import ConfigError, OutputBusy
 from ..planner import Machine
 from ..settings import OffloadSettings
-from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save, written_in_place_of
+from ..trainer.outputs import (LOCK_NAME, STAGING_PREFIX, OutputLock, check_output_dir, check_space, staged_save,
+                               written_in_place_of)
 from .config import load_config, load_yaml, parse_args, parse_overrides
 
 logger = logging.getLogger("offload_trainer")
@@ -35,9 +36,9 @@ def train(config: str, overrides: list[str]) -> str:
     main_rank = int(os.environ.get("RANK", "0")) == 0
     if main_rank:
         check_output_dir(out)
-    with OutputLock(out) if main_rank else contextlib.nullcontext():
-        if main_rank:
-            check_earlier_run(training_args, model_args)
+    with OutputLock(out) if main_rank else contextlib.nullcontext(), contextlib.ExitStack() as stack:
+        if main_rank and check_earlier_run(training_args, model_args):  # (overwrite_output_dir: set aside till replaced)
+            stack.enter_context(earlier_run_set_aside(out))
         done = finished_step(training_args)
         if done is not None:  # (every rank reads the same files: all return)
             logger.info("output_dir %s holds a finished run (step %d, max_steps reached) and its model: nothing to "
@@ -182,30 +183,75 @@ MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_mod
                "pytorch_model.bin.index.json")
 
 
-def check_earlier_run(training_args, model_args) -> None:
-    """An output_dir holding an earlier run is refused unless this run resumes it or asks to start over: the new
-    run's checkpoints would silently replace and interleave with the old ones. The model's own directory is refused
-    always (overwrite_output_dir would delete the weights it loads)."""
+def check_earlier_run(training_args, model_args) -> bool:
+    """An output_dir holding an earlier run is refused unless this run resumes it or asks to start over (True: it
+    holds one and overwrite_output_dir asks to replace it): the new run's checkpoints would silently replace and
+    interleave with the old ones. The model's own directory is refused always (its weights would be replaced)."""
     out = training_args.output_dir
     base = model_args.model_name_or_path
+    put_back_earlier_run(out)  # (left set aside by a run killed before its first checkpoint)
     if base and os.path.isdir(out) and os.path.realpath(base) == os.path.realpath(out):
         raise OutputBusy(f"output_dir {out!r} is the directory of the model it trains (model_name_or_path): the run "
                          f"would write its checkpoints and model over the weights. Choose another output_dir.")
     if not os.path.isdir(out) or resumes_here(training_args):
-        return
+        return False
     ckpts = sorted((n for n in os.listdir(out) if CHECKPOINT_DIR.match(n)), key=lambda n: int(n.split("-")[1]))
     finished = [n for n in ("trainer_state.json", *MODEL_FILES) if os.path.exists(os.path.join(out, n))]
     if not ckpts and not finished:
-        return
+        return False
     if training_args.overwrite_output_dir:
-        for n in ckpts:
-            shutil.rmtree(os.path.join(out, n))
-        logger.warning("overwrite_output_dir: removed %s of the earlier run in %s", ", ".join(ckpts) or "nothing", out)
-        return
+        return True
     what = f"checkpoints up to {ckpts[-1]}" if ckpts else f"a finished run ({finished[0]})"
     raise OutputBusy(f"output_dir {out!r} holds {what} of an earlier run. Continue it with resume_from_checkpoint: "
                      f"true, start over with overwrite_output_dir: true (its checkpoints are removed first), or choose "
                      f"another output_dir.")
+
+
+EARLIER_RUN = ".earlier-run"  # inside output_dir: an earlier run set aside by overwrite_output_dir
+
+
+@contextlib.contextmanager
+def earlier_run_set_aside(out: str):
+    """overwrite_output_dir: the earlier run's files wait in output_dir/.earlier-run while this run starts; they are
+    deleted once it has written a checkpoint or its model, and put back if it stops before (a bad data row, a
+    signal): a run that fails early never leaves output_dir with neither run."""
+    aside = os.path.join(out, EARLIER_RUN)
+    names = [n for n in os.listdir(out) if n not in (LOCK_NAME, EARLIER_RUN) and not n.startswith(STAGING_PREFIX)]
+    os.makedirs(aside, exist_ok=True)
+    for n in names:
+        os.rename(os.path.join(out, n), os.path.join(aside, n))
+    logger.info("overwrite_output_dir: the earlier run in %s is set aside until this one writes a checkpoint", out)
+    try:
+        yield
+    finally:
+        if _holds_a_run(out):
+            ckpts = sorted(n for n in names if CHECKPOINT_DIR.match(n))
+            shutil.rmtree(aside, ignore_errors=True)
+            logger.warning("overwrite_output_dir: removed %s of the earlier run in %s",
+                           ", ".join(ckpts) or "the files", out)
+        else:
+            put_back_earlier_run(out)
+
+
+def _holds_a_run(out: str) -> bool:
+    return any(CHECKPOINT_DIR.match(n) or n in MODEL_FILES for n in os.listdir(out))
+
+
+def put_back_earlier_run(out: str) -> None:
+    """An earlier run set aside (`earlier_run_set_aside`) goes back into output_dir when no later run replaced it
+    (it stopped first, or was killed before its first checkpoint); otherwise what is left of it is removed."""
+    aside = os.path.join(out, EARLIER_RUN)
+    if not os.path.isdir(aside):
+        return
+    if _holds_a_run(out):
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    for n in os.listdir(aside):
+        if not os.path.isdir(os.path.join(out, n)):  # (a directory this run made, e.g. its tracker's logs, stays)
+            os.replace(os.path.join(aside, n), os.path.join(out, n))
+    shutil.rmtree(aside, ignore_errors=True)
+    logger.warning("overwrite_output_dir: this run stopped before its first checkpoint; the earlier run in %s is "
+                   "back as it was", out)
 
 
 def check_data_and_steps(data_args, training_args) -> None:

@@ -14,7 +14,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
 from ..engine.sizes import state_bytes
 from ..errors import CheckpointError, StorageError
 from .checkpoint import (check_checkpoint, clean_staging, load_optimizer_states, newest_complete_checkpoint,
-                         optimizer_shard_name)
+                         optimizer_shard_name, write_checksums)
 from .outputs import STAGING_PREFIX, check_space, disk_full, free_bytes, publish
 from .run_state import RunState
 
@@ -69,6 +69,7 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
         save(model, trial)
         trainer.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is written
         if main:
+            write_checksums(os.path.join(staging, name))
             publish(os.path.join(staging, name), os.path.join(run_dir, name))
         trainer.accelerator.wait_for_everyone()
     except Exception as e:  # torch.save and safetensors report a full disk in their own words
