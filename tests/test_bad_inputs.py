@@ -265,6 +265,70 @@ def test_same_size_damage_in_a_checkpoint(trained, tmp_path, capsys):
         assert f"{case.out / 'checkpoint-1'}" in err.split("resuming from", 1)[1].splitlines()[0]
 
 
+def test_resume_changes_a_hyperparameter(trained, tmp_path, capsys):
+    """A resume whose arguments differ from the checkpoint's: refused where the saved optimizer / scheduler state
+    would silently win (learning_rate), naming the value to set; said where the change applies (max_steps raised,
+    gradient accumulation); refused below the checkpoint's step."""
+    case = copy_run(trained, tmp_path)
+    expect(case, capsys, 2, "with learning_rate 0.001 -> 0.002, which would not take effect",
+           "Set learning_rate: 0.001 to continue the run",
+           argv=["resume_from_checkpoint=true", "learning_rate=2e-3", "max_steps=3"])
+    (case.out / "trainer_state.json").unlink()  # (a run stopped after checkpoint-2; a finished one has nothing to do)
+    expect(case, capsys, 2, "max_steps=1 is below the step of", "Set max_steps to more than 2",
+           argv=[f"resume_from_checkpoint={case.out / 'checkpoint-2'}", "max_steps=1"])
+    rc, err = case.run(capsys, "resume_from_checkpoint=true", "max_steps=3", "gradient_accumulation_steps=2")
+    assert rc == 0, err
+    assert "resume changes max_steps 2 -> 3: the learning-rate schedule is recomputed" in err
+    assert "resume changes gradient_accumulation_steps 1 -> 2: each optimizer step takes another number" in err
+
+
+def test_yaml_1_1_numbers(tmp_path, capsys):
+    """YAML 1.2 numbers: `010` is ten (YAML 1.1 read octal 8), `1:30` is text (1.1: sexagesimal 90) and refused
+    where a number is wanted."""
+    from offload_trainer.cli.config import load_config
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_config: tiny-llama\nmax_steps: 010\nlogging_steps: 0x2\n")
+    got = load_config(str(cfg))
+    assert (got["max_steps"], got["logging_steps"]) == (10, 2)
+    expect(Case(tmp_path, "max_steps: 1:30\n"), capsys, 2, "key 'max_steps' = '1:30' (str) has the wrong type")
+
+
+def test_env_var_in_a_path(tmp_path, capsys, monkeypatch):
+    """`$VAR` in a path is expanded (as `~` is); one that is not set is refused, naming the key."""
+    monkeypatch.setenv("OT_TEST_OUT", str(tmp_path / "expanded"))
+    monkeypatch.delenv("OT_TEST_UNSET", raising=False)
+    case = Case(tmp_path, "output_dir: $OT_TEST_UNSET/run\n")
+    expect(case, capsys, 2, "output_dir = '$OT_TEST_UNSET/run': the environment variable in it is not set")
+    assert not list(tmp_path.glob("$*"))
+    rc, err = Case(tmp_path, "output_dir: ${OT_TEST_OUT}/run\nmax_steps: 1\n").run(capsys)
+    assert rc == 0, err
+    assert (tmp_path / "expanded" / "run" / "trainer_state.json").is_file() and not list(tmp_path.glob("$*"))
+
+
+def test_chat_template_missing_file(tmp_path, capsys):
+    case = Case(tmp_path, f"dataset_path: builtin-sft\nchat_template: {tmp_path / 'no-such-template.jinja'}\n")
+    expect(case, capsys, 2, "chat_template: '", "is neither a Jinja template", "nor a file that exists")
+
+
+def test_directory_of_mixed_data_files(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.txt").write_text("some text\n" * 50)
+    (data / "b.jsonl").write_text('{"text": "other text"}\n' * 50)
+    expect(Case(tmp_path, data=str(data)), capsys, 2, "holds data files of several kinds (json, text)")
+
+
+@pytest.mark.parametrize("override", ["vocab_size: -5", "num_hidden_layers: 0"])
+def test_model_override_sizes(override, tmp_path, capsys):
+    key = override.split(":")[0]
+    expect(Case(tmp_path, f"model_overrides: {{{override}}}\n"), capsys, 2, f"model_overrides: {key}=",
+           "must be a positive whole number")
+    capsys.readouterr()
+    assert cli.main(["plan", str(tmp_path / "c.yaml")]) == 2
+    assert "must be a positive whole number" in capsys.readouterr().err
+
+
 def test_finished_run_resumed(trained, tmp_path, capsys):
     """A finished run re-run with resume_from_checkpoint: true (also with save_total_limit: 1) trains nothing and
     changes nothing: the Trainer would train one step past max_steps and write that model over the finished one."""

@@ -150,12 +150,27 @@ class _Loader(yaml.SafeLoader):
     which turned `save_strategy: no` and `layer_swap: off` into False."""
 
 
+_YAML11 = ("tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 _Loader.yaml_implicit_resolvers = {
-    k: [(tag, rx) for tag, rx in v if tag != "tag:yaml.org,2002:bool"]
+    k: [(tag, rx) for tag, rx in v if tag not in _YAML11]
     for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-for _first in "tTfF":
-    _Loader.yaml_implicit_resolvers.setdefault(_first, []).insert(
-        0, ("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$")))
+# YAML 1.2's core schema: `010` is ten (1.1: octal 8), `1:30` is text (1.1: sexagesimal 90), `0o17` and `0x1f` as
+# written; floats as 1.2 writes them, and exponents without a dot (`1e-4`, a string in 1.1)
+for _tag, _rx, _firsts in (  # (each goes first in its list: the last one given, int, is tried before float)
+        ("tag:yaml.org,2002:float", r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$", "-+.0123456789"),
+        ("tag:yaml.org,2002:int", r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$", "-+0123456789"),
+        ("tag:yaml.org,2002:bool", r"^(?:true|True|TRUE|false|False|FALSE)$", "tTfF")):
+    for _first in _firsts:
+        _Loader.yaml_implicit_resolvers.setdefault(_first, []).insert(0, (_tag, re.compile(_rx)))
+
+
+def _int_12(loader, node):
+    text = loader.construct_scalar(node)
+    return int(text, 8) if text.startswith("0o") else int(text, 16) if text.startswith("0x") else int(text)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _int_12)
 
 
 def _no_duplicate_keys(loader, node, deep=False):

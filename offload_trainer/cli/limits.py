@@ -61,8 +61,12 @@ def check_values(cfg: dict[str, Any]) -> list[str]:
             problems.append(f"{key} = {value!r}: must be {rule[1]}")
         if key == "output_dir" and (not isinstance(value, str) or not value.strip()):
             problems.append("output_dir is empty: name the directory the run writes to, e.g. output_dir: outputs/run")
-        if key in PATH_KEYS and isinstance(value, str) and value.startswith("~"):
-            cfg[key] = os.path.expanduser(value)
+        if key in PATH_KEYS and isinstance(value, str) and ("~" in value[:1] or "$" in value):
+            expanded = os.path.expandvars(os.path.expanduser(value))
+            if "$" in expanded:  # (expandvars leaves a variable that is not set as it is written)
+                problems.append(f"{key} = {value!r}: the environment variable in it is not set (export it, or "
+                                f"write the path out)")
+            cfg[key] = expanded
     if cfg.get("num_train_epochs") is not None and cfg.get("max_steps", -1) > 0:
         problems = [p for p in problems if not p.startswith("num_train_epochs =")]  # max_steps decides instead
     return problems

@@ -99,10 +99,15 @@ def build_datasets(data_args, tokenizer, *, vocab_size: int, seed: int = 0, main
 
 
 def _template(value: str) -> str:
+    """`chat_template`: a Jinja template, or the path of a file holding one. Text without Jinja's `{{` / `{%` that
+    names no file is a path that is missing, not a template (it would render every conversation as that text)."""
     path = os.path.expanduser(value)
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             return f.read()
+    if "{{" not in value and "{%" not in value:
+        raise DataError(f"chat_template: {value!r} is neither a Jinja template (no {{{{ or {{%) nor a file that "
+                        f"exists: give the template's path, or the template itself")
     return value
 
 

@@ -37,6 +37,11 @@ def check_source(name: str) -> None:
         return
     path = os.path.expanduser(name)
     if os.path.isdir(path):
+        kinds = sorted({BUILDERS[e] for f in os.listdir(path) if (e := os.path.splitext(f)[1].lower()) in BUILDERS})
+        if len(kinds) > 1:  # (datasets would read one kind and drop the others without a word)
+            raise DataError(f"dataset_path: directory {name!r} holds data files of several kinds ({', '.join(kinds)}): "
+                            f"one kind is read, the others would be left out. Keep one kind in it, or name one "
+                            f"file")
         return
     if not os.path.exists(path):
         raise DataError(f"dataset_path: {name!r} does not exist (use a .txt, .jsonl, .json, .parquet, .csv or .arrow "

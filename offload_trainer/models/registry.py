@@ -103,11 +103,19 @@ def _check_override_keys(name: str, base, overrides: dict) -> None:
     known = set(base.to_dict()) | set(getattr(base, "attribute_map", {}))
     known |= set(inspect.signature(type(base).__init__).parameters) - {"self", "kwargs"}
     known |= set(ARCHITECTURES[name]) | {"rope_theta", "rope_scaling"}  # (read by __init__ through its **kwargs)
-    for key in overrides:
+    for key, value in overrides.items():
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
             raise ValueError(f"model_overrides: {key!r} is not a field of {name}'s {type(base).__name__}"
                              + (f". Did you mean {close[0]!r}?" if close else ""))
+        if key in POSITIVE_SIZES and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"model_overrides: {key}={value!r} must be a positive whole number (a model of "
+                             f"{value!r} {key.replace('_', ' ')} would plan or train nothing sensible)")
+
+
+# model_overrides that are sizes: 0 or negative would build a model that plans or trains nothing sensible
+POSITIVE_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "max_position_embeddings", "head_dim")
 
 
 def base_model(model: torch.nn.Module) -> torch.nn.Module:

@@ -3,6 +3,7 @@ checked for one, each written into a staging directory and published when comple
 streamed optimizer's states saved per rank and loaded memory-mapped, straight into its pinned buffers."""
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -15,6 +16,7 @@ from ..engine.sizes import state_bytes
 from ..errors import CheckpointError, StorageError
 from .checkpoint import (check_checkpoint, clean_staging, load_optimizer_states, newest_complete_checkpoint,
                          optimizer_shard_name, write_checksums)
+from . import resume_changes
 from .outputs import STAGING_PREFIX, check_space, disk_full, free_bytes, publish
 from .run_state import RunState
 
@@ -35,11 +37,22 @@ def resolve_resume(trainer, resume):
                                   f"resume_from_checkpoint: true, but it holds no complete checkpoint-N "
                                   f"directory. Start without resume_from_checkpoint.")
         logger.info("resuming from %s", found)
+        _check_changes(trainer, found)
         return found
     if resume:
         check_checkpoint(str(resume), trainer.model)
+        _check_changes(trainer, str(resume))
         return str(resume)
     return None
+
+
+def _check_changes(trainer, checkpoint: str) -> None:
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            step = int(json.load(f)["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        step = None
+    resume_changes.check(checkpoint, trainer.args, step)
 
 
 def check_disk(trainer, run: RunState) -> None:
@@ -69,6 +82,7 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
         save(model, trial)
         trainer.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is written
         if main:
+            resume_changes.record(os.path.join(staging, name), trainer.args)
             write_checksums(os.path.join(staging, name))
             publish(os.path.join(staging, name), os.path.join(run_dir, name))
         trainer.accelerator.wait_for_everyone()
