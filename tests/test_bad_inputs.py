@@ -329,6 +329,30 @@ def test_model_override_sizes(override, tmp_path, capsys):
     assert "must be a positive whole number" in capsys.readouterr().err
 
 
+def test_yaml_merge_key(tmp_path, capsys):
+    """`<<: *anchor` (YAML's merge key) merges; the mapping's own keys win; a top-level anchor key is an unknown key."""
+    from offload_trainer.cli.config import load_config
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model_config: tiny-llama\nmodel_overrides:\n  <<: {num_hidden_layers: 2, hidden_size: 64}\n"
+                   "  hidden_size: 128\n")
+    assert load_config(str(cfg))["model_overrides"] == {"num_hidden_layers": 2, "hidden_size": 128}
+    case = Case(tmp_path, "defaults: &d {max_steps: 1}\nrun:\n  <<: *d\n")
+    expect(case, capsys, 2, "unknown key 'defaults'")
+
+
+def test_eval_without_eval_data(tmp_path, capsys, no_model_load):
+    """eval_strategy: steps with no held-out records and no test split: refused before the model loads."""
+    expect(Case(tmp_path, "eval_strategy: steps\neval_steps: 1\neval_fraction: 0\n"), capsys, 2,
+           "eval_strategy: steps evaluates, but there is no evaluation data: set eval_fraction")
+
+
+def test_negative_token_id(tmp_path, capsys):
+    data = tmp_path / "ids.jsonl"
+    data.write_text('{"input_ids": [1, 2, 3, 4]}\n{"input_ids": [5, -7, 9]}\n')
+    expect(Case(tmp_path, data=str(data)), capsys, 2, "row 2: input_ids holds a negative token id (-7)")
+
+
 def test_finished_run_resumed(trained, tmp_path, capsys):
     """A finished run re-run with resume_from_checkpoint: true (also with save_total_limit: 1) trains nothing and
     changes nothing: the Trainer would train one step past max_steps and write that model over the finished one."""

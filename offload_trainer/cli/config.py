@@ -177,6 +177,8 @@ def _no_duplicate_keys(loader, node, deep=False):
     """A mapping whose keys are unique: YAML lets the last of two equal keys win silently."""
     seen = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # (`<<: *anchor`: its keys are defaults the mapping's own
+            continue  # override; construct_mapping merges them)
         key = loader.construct_object(key_node, deep=deep)
         if key in seen:
             raise yaml.constructor.ConstructorError(

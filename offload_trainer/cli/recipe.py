@@ -255,6 +255,11 @@ def put_back_earlier_run(out: str) -> None:
 
 
 def check_data_and_steps(data_args, training_args) -> None:
+    evaluates = str(getattr(training_args.eval_strategy, "value", training_args.eval_strategy)) != "no"
+    if evaluates and not data_args.eval_fraction and not data_args.dataset_test_split:
+        raise ConfigError(f"eval_strategy: {getattr(training_args.eval_strategy, 'value', '')} evaluates, but there is "
+                          f"no evaluation data: set eval_fraction (e.g. 0.05: records held out of the training data) "
+                          f"or dataset_test_split, or eval_strategy: no")
     if data_args.streaming and training_args.max_steps <= 0:
         raise ConfigError("streaming: true reads a dataset whose length is not known up front: set max_steps (the "
                           "number of optimizer steps to train)")

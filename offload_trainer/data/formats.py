@@ -76,6 +76,8 @@ def _pieces(rec: dict, tok, spec: Tokenize, where: str) -> list[tuple]:
         ids = rec["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids):
             raise DataError(f"{where}: input_ids must be a list of token ids")
+        if ids and min(ids) < 0:  # (an embedding lookup would fail at the first step, as a traceback)
+            raise DataError(f"{where}: input_ids holds a negative token id ({min(ids)}); ids count from 0")
         labels = rec.get("labels") or list(ids)
         if len(labels) != len(ids):
             raise DataError(f"{where}: labels has {len(labels)} values for {len(ids)} input_ids")
