@@ -19,6 +19,11 @@ MODES = {  # name: (optimizer kwargs, max_grad_norm)
     "offload_grads_clip": (dict(offload_gradients=True), 0.5),
     "grads_on_device_clip": (dict(), 0.5),
 }
+# max_grad_norm between the small and the large gradient norms of these steps (2 micro-batches in all: 1.05 to 1.14;
+# 4: 0.75 to 0.80), so that the clip fires on some steps and not on others: kept and redone steps are both compared
+SPEC_NORMS = {1: 1.09, 2: 0.775}  # micro-batches per rank -> max_grad_norm
+SPEC_MODES = {f"{name}_{n}": (kw, norm) for n, norm in SPEC_NORMS.items()
+              for name, kw in (("speculative_clip", dict(speculative=True)), ("exact_clip", dict()))}
 ACCUM_MODES = {  # with offload_gradients, every micro-batch is reduced and owners sum the means in host memory
     "update_in_backward": MODES["update_in_backward"],
     "offload_grads_clip": MODES["offload_grads_clip"],
@@ -58,14 +63,19 @@ def _train(opt, model, *, steps, micro_ids, total_micro, max_norm):
     losses = []
     for step in range(steps):
         mbs = batches(step, total_micro)
-        for k, i in enumerate(micro_ids):
-            last = k == len(micro_ids) - 1
-            with contextlib.nullcontext() if last else opt.no_update():
-                loss = model.loss(mbs[i].to(model.head.weight.device)) / len(micro_ids)
-                loss.backward()
-            losses.append(loss.item())
-        if max_norm:
-            opt.clip_grad_norm_(max_norm)
+
+        def forward_backward(keep):
+            for k, i in enumerate(micro_ids):
+                last = k == len(micro_ids) - 1
+                with contextlib.nullcontext() if last else opt.no_update():
+                    loss = model.loss(mbs[i].to(model.head.weight.device)) / len(micro_ids)
+                    loss.backward()
+                if keep:
+                    losses.append(loss.item())
+
+        forward_backward(keep=True)
+        if max_norm:  # (speculative: a step whose clip fires runs its micro-batches again)
+            opt.clip_grad_norm_(max_norm, redo=(lambda: forward_backward(keep=False)) if opt.speculative else None)
         opt.step()
         opt.zero_grad()
     opt.synchronize()
@@ -88,7 +98,7 @@ def _worker(rank: int, store: str, out: str, mode: str, per_rank: int, steps: in
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
-        kw, max_norm = {**MODES, **ACCUM_MODES}[mode]
+        kw, max_norm = {**MODES, **ACCUM_MODES, **SPEC_MODES}[mode]
         shard = Sharding()
         model, opt = make(kw, shard, device, wide=device.type == "cuda")
         with torch.no_grad():  # different starting weights per rank: sync_weights must make them rank 0's
@@ -98,13 +108,15 @@ def _worker(rank: int, store: str, out: str, mode: str, per_rank: int, steps: in
         ids = list(range(rank * per_rank, (rank + 1) * per_rank))
         train(opt, model, steps=steps, micro_ids=ids, total_micro=WORLD * per_rank, max_norm=max_norm)
         torch.save({"weights": {k: v.cpu().clone() for k, v in model.state_dict().items()},
-                    "optimizer": opt.state_dict(), "memory": opt.memory_stats(), "stats": dict(shard.stats)},
+                    "optimizer": opt.state_dict(), "memory": opt.memory_stats(), "stats": dict(shard.stats),
+                    "clip_counts": opt.clip_counts if opt.speculative else None},
                    os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
 def run_two_ranks(tmp_path, mode, per_rank, steps, backend="gloo"):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     ctx = mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path), mode, per_rank, steps, backend),
                              nprocs=WORLD, start_method="spawn", join=True)  # fork after OpenMP use can hang
     assert ctx is None or ctx.join()
@@ -147,6 +159,28 @@ def test_two_ranks_match_one_rank_accumulating(tmp_path, mode):
             a, b = st[key], ref_sd[sid][key]
             a, b = (a.dequantize(), b.dequantize()) if hasattr(a, "dequantize") else (a, b)
             assert torch.equal(a, b), (sid, key)
+
+
+@pytest.mark.parametrize("per_rank", [1, 2], ids=["one_micro_batch", "accumulating"])
+def test_two_ranks_speculative_clipping_equals_exact(tmp_path, per_rank):
+    """Speculative clipping over 2 ranks: the owner updates during backward, every rank takes part in each
+    broadcast; a step whose global norm clips is rolled back (owners restore, broadcast again) and redone on every
+    rank. Weights and 8-bit states equal exact clipping over 2 ranks bit for bit, with the clip firing on some steps
+    and not on others."""
+    steps = 8
+    spec = run_two_ranks(tmp_path / "spec", f"speculative_clip_{per_rank}", per_rank=per_rank, steps=steps)
+    exact = run_two_ranks(tmp_path / "exact", f"exact_clip_{per_rank}", per_rank=per_rank, steps=steps)
+    counts = [r["clip_counts"] for r in spec]
+    assert counts[0] == counts[1] and 0 < counts[0]["clipped"] < steps, counts
+    assert counts[0]["redone"] == counts[0]["clipped"]  # (the policy never fell back to exact clipping here)
+    for r_spec, r_exact in zip(spec, exact):
+        for k, v in r_exact["weights"].items():
+            assert torch.equal(r_spec["weights"][k], v), k
+        for sid, st in r_exact["optimizer"]["state"].items():
+            for key in ("exp_avg", "exp_avg_sq"):
+                a, b = r_spec["optimizer"]["state"][sid][key], st[key]
+                a, b = (a.dequantize(), b.dequantize()) if hasattr(a, "dequantize") else (a, b)
+                assert torch.equal(a, b), (sid, key)
 
 
 @pytest.mark.parametrize("mode", list(ACCUM_MODES))
@@ -222,6 +256,22 @@ def test_trainer_two_processes_match_one_and_resume(tmp_path):
                  "resume_from_checkpoint=true"]) == 0
     assert _losses(again) == want
     assert _losses(resharded) == want
+
+
+def test_trainer_two_processes_speculative_clipping_equals_exact(tmp_path):
+    """`speculative_clipping: true` under torchrun (2 gloo ranks): the same losses and gradient norms as exact
+    clipping, with the clip firing on some steps (the log's clip_rate between 0 and 1)."""
+    import json
+
+    spec, exact = tmp_path / "spec", tmp_path / "exact"
+    log = torchrun(spec, "speculative_clipping=true", "max_grad_norm=2.5", "logging_steps=3")
+    torchrun(exact, "speculative_clipping=false", "max_grad_norm=2.5", "logging_steps=3")
+    assert "clipped to max_grad_norm speculatively" in log and "data parallel over 2 ranks" in log
+    history = {d: json.loads((d / "trainer_state.json").read_text())["log_history"] for d in (spec, exact)}
+    rates = [h["clip_rate"] for h in history[spec] if "clip_rate" in h]
+    assert rates and 0 < sum(rates) / len(rates) < 1, rates
+    for key in ("loss", "grad_norm"):
+        assert [h[key] for h in history[spec] if key in h] == [h[key] for h in history[exact] if key in h]
 
 
 @pytest.mark.gpu

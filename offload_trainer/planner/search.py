@@ -124,15 +124,16 @@ def _with_device_states(p: Plan, est, shape: ModelShape, n: int, gpu_usable: flo
 
 def _with_speculation(p: Plan, est, host_usable: float, host_gb: float | None, speculative: bool | None) -> Plan:
     """Speculative clipping where it pays: updates during backward, a step that clips rolled back and redone. It
-    needs streamed states (nothing to wait for otherwise), one process, the spare host buffer free for backups (not
+    needs streamed states (nothing to wait for otherwise), the spare host buffer free for backups (not
     holding gradient sums between micro-batches) and host memory for a second bank of states and the backups; taken
-    when its step (one that does not clip) is faster than exact clipping's. `speculative=True` insists (an error
-    naming why it cannot run), False never takes it."""
+    when its step (one that does not clip) is faster than exact clipping's, and with data parallel only when asked.
+    `speculative=True` insists (an error naming why it cannot run), False never takes it."""
     if speculative is False:
         return p
     why_not = None
-    if p.ranks > 1:
-        why_not = "data parallel runs clip exactly (speculation is single-process)"
+    if p.ranks > 1 and not speculative:
+        why_not = ("data parallel: speculative clipping over several ranks is verified on the CPU (gloo) only, not yet "
+                   "measured on GPUs; speculative_clipping: true takes it")
     elif p.accum > 1 and p.offload_gradients:
         why_not = ("gradient sums between micro-batches wait in the host buffer speculation keeps its backups in, so "
                    "steps clip exactly")

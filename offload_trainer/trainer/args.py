@@ -153,7 +153,8 @@ class OffloadFields:
                           "of 8-bit states, the weights' backup) and 2 bytes/param of D2H per step; a step that clips "
                           "runs twice, and while most steps clip they clip exactly instead, said in the log. Unset: "
                           "the planner decides (on where it predicts a faster step and host RAM allows it; off "
-                          "without a plan); false: exact clipping, updates wait for the norm."},
+                          "without a plan, and with several ranks unless true); false: exact clipping, updates wait "
+                          "for the norm."},
     )
     activation_offload: bool | None = field(
         default=None,

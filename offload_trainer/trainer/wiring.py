@@ -162,10 +162,10 @@ def streamed_optimizer(trainer, run: RunState, model=None):
     ]
     accumulate = s.accumulation > 1
     speculative = s.clips and run.decided("speculative_clipping")
-    if speculative and run.sharded:
-        raise ConfigError("speculative_clipping: true runs in one process; with several ranks the norm is "
-                          "clipped exactly (updates wait for the global norm): set speculative_clipping: false, or "
-                          "leave it unset")
+    if speculative and run.sharded and device_state_bytes(run):
+        raise ConfigError("speculative_clipping with several ranks streams every 8-bit state (each rank must know "
+                          "which updates speculate), but offload_device_states keeps some on the GPU: set "
+                          "offload_device_states: off, or speculative_clipping: false")
     offload_grads = run.decided("offload_gradients")
     if s.offload_gradients is None and run.swap is not None and run.swap.trainable_swapped:
         offload_grads = offload_grads or accumulate  # swapped layers' gradients must not pile up on the GPU

@@ -470,6 +470,17 @@ def test_speculative_clipping_where_the_host_has_room_and_exact_clipping_where_i
         plan(cfg, host_memory_gb=40, speculative=True, **kw)
 
 
+def test_speculative_clipping_over_several_ranks_only_when_asked():
+    """Data parallel: exact clipping unless speculative_clipping: true (verified on CPU ranks, not measured on GPUs);
+    asked, it is planned as on one rank, each rank holding its share of both banks and of the backups."""
+    kw = dict(batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=1.0, ranks=2, host_memory_gb=120)
+    cfg = architecture_config("llama3-8b")
+    unset, asked = plan(cfg, **kw), plan(cfg, speculative=True, **kw)
+    assert not unset.speculative_clipping and any("speculative_clipping: true takes it" in n for n in unset.notes)
+    assert asked.speculative_clipping and asked.exact_step_s == pytest.approx(unset.step_s)
+    assert asked.host_peak_gib > unset.host_peak_gib
+
+
 @pytest.mark.parametrize("kw,why", [
     (dict(ranks=2), "data parallel"),
     (dict(batch=1, accum=4, offload_gradients=True), "gradient sums between micro-batches"),

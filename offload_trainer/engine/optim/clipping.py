@@ -24,15 +24,21 @@ class GlobalNormClipping:
 
     def _speculates(self, p: Tensor) -> bool:
         """Whether `p`'s update runs in this backward before the norm is known (speculative clipping): a streamed
-        tensor whose rounding does not draw from the global RNG, while the policy speculates."""
-        return (self._spec is not None and self._spec.speculating and p in self._states.offset
-                and self._owns(p) and not self._rounds_from_global_rng(p))
+        tensor whose rounding does not draw from the global RNG, while the policy speculates. Every rank answers
+        alike for every tensor (data parallel: the owner updates it, every rank takes part in its broadcast)."""
+        return (self._spec is not None and self._spec.speculating and self._streamed(p)
+                and not self._rounds_from_global_rng(p))
+
+    def _streamed(self, p: Tensor) -> bool:
+        """`p`'s 8-bit states stream through the host buffers. With data parallel only the owner holds them, so every
+        rank reads it from the tensor alone: there every 8-bit tensor streams (none kept on the GPU, see __init__)."""
+        return self._states.is_8bit(p) if self._shard is not None else p in self._states.offset
 
     def _rounds_from_global_rng(self, p: Tensor) -> bool:
         """torchao's stochastic rounding (small tensors, or any without the fused kernel) draws from the global RNG;
-        the fused kernel's Philox counters depend on the step and the value's place only."""
+        the fused kernel's Philox counters depend on the step and the value's place among the 8-bit tensors only."""
         sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
-        return sr and (self._fused is None or p not in self._states.place)
+        return sr and (self._fused is None or not self._states.is_8bit(p))
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *, redo=None) -> Tensor:
@@ -47,7 +53,7 @@ class GlobalNormClipping:
             raise ValueError("only the L2 norm (norm_type=2) is supported")
         self.last_norm = None  # (the norm as a Python float, where this call read it on the host anyway)
         self._schedule.launch_deferred()
-        speculated = self._spec is not None and any(p in self._states.offset for p in self._plan.updated)
+        speculated = self._spec is not None and any(self._streamed(p) for p in self._plan.updated)
         if speculated and math.isfinite(max_norm) and redo is None:
             raise ValueError("speculative clipping: updates ran during backward before the norm was known; pass "
                              "clip_grad_norm_(max_norm, redo=fn), fn running this step's forward and backward again, "

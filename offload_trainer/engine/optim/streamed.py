@@ -85,9 +85,10 @@ class StreamedAdamW8bit(BackwardUpdates, GlobalNormClipping, StateDictIO, torch.
         if inflight_chunks < INFLIGHT_CHUNKS_MIN:
             raise ValueError(f"inflight_chunks must be >= {INFLIGHT_CHUNKS_MIN} (one slot copying while another "
                              f"updates)")
-        if speculative and sharding is not None and sharding.world_size > 1:
-            raise ValueError("speculative=True runs in one process: with data parallel, clip exactly "
-                             "(speculative=False)")
+        if speculative and sharding is not None and sharding.world_size > 1 and device_state_bytes:
+            raise ValueError("speculative=True with data parallel streams every 8-bit state (every rank must tell "
+                             "alike which updates speculate, and only owners know which states stay on the GPU): "
+                             "device_state_bytes=0")
         if speculative and update_in_backward:
             raise ValueError("speculative=True clips by global norm with updates in backward; update_in_backward=True "
                              "never clips: choose one")
