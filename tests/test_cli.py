@@ -81,6 +81,20 @@ def test_help_and_keys_answer_fast_and_print_no_warnings(argv):
     assert took < 2.0, f"{argv}: {took:.2f} s"
 
 
+def test_plan_prints_no_library_chatter():
+    """`offload-trainer plan` in a new process: the table on stdout, nothing on stderr (bitsandbytes' note on its
+    optional CPU kernels, torch's and torchao's import notices are not ours to act on)."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "offload_trainer.cli", "plan", CONFIG, "model_config=llama3-8b",
+                        "torch_dtype=bfloat16", "gpu_memory_limit_gb=24", "max_seq_length=2048",
+                        "per_device_train_batch_size=4", "--host-gb", "64"], capture_output=True, text=True,
+                       env={k: v for k, v in os.environ.items() if k != "TORCHAO_FORCE_SKIP_LOADING_SO_FILES"})
+    assert r.returncode == 0 and "GPU peak" in r.stdout, r.stderr
+    assert r.stderr == "", r.stderr
+
+
 @pytest.mark.parametrize("key, hint", [
     ("base_model", "here it is model_name_or_path"), ("micro_batch_size", "per_device_train_batch_size"),
     ("sequence_len", "max_seq_length"), ("sample_packing", "packing"), ("train_on_inputs", "completion_only_loss"),

@@ -263,6 +263,36 @@ def test_nonfinite_step_is_skipped_with_weights_and_states_unchanged(tmp_path, m
     assert trainer.state.log_history[-2]["nonfinite_skipped"] == 1
 
 
+@pytest.mark.parametrize("optim, extra", [("sgd", {}), ("adamw_torch", dict(offload_optimizer=False))],
+                         ids=["another_optim", "trainers_adamw"])
+@pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "no_clip"])
+def test_nonfinite_steps_skipped_with_the_trainers_own_optimizer(tmp_path, optim, extra, max_grad_norm):
+    """max_nonfinite_steps on the Trainer's own optimizer path (another optim, or offload_optimizer: false): the NaN
+    step changes no weight, training goes on; NaN on every step stops after max_nonfinite_steps in a row."""
+    from offload_trainer.errors import TrainingStopped
+
+    model, train = poisoned_tiny_setup()
+    args = make_args(tmp_path / "one", max_steps=6, gradient_accumulation_steps=1, max_grad_norm=max_grad_norm,
+                     save_strategy="no", optim=optim, **{"offload_optimizer": None, **extra})
+    weights = {}
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
+    trainer.add_callback(type("Weights", (TrainerCallback,), {"on_step_end": lambda self, a, state, c, **k: weights.
+                         __setitem__(state.global_step, [p.detach().clone() for p in model.parameters()])})())
+    trainer.train()
+    assert trainer._run.optimizer is None  # (the Trainer's own optimizer ran)
+    assert all(torch.equal(a, b) for a, b in zip(weights[3], weights[4]))  # the NaN step (4) changed nothing
+    assert not all(torch.equal(a, b) for a, b in zip(weights[4], weights[5]))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    model, _, train = tiny_setup(seq=32)
+    model.model.norm.register_forward_hook(lambda m, i, o: o * float("nan") if m.training else o)
+    args = make_args(tmp_path / "all", max_steps=8, gradient_accumulation_steps=1, max_grad_norm=max_grad_norm,
+                     save_strategy="no", optim=optim, max_nonfinite_steps=3, **{"offload_optimizer": None, **extra})
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
+    with pytest.raises(TrainingStopped, match="3 optimizer steps in a row had a non-finite"):
+        trainer.train()
+    assert trainer.state.global_step == 3 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
 @pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
 def test_loss_filter_on_the_device_logs_what_the_trainers_own_does(tmp_path, monkeypatch, max_grad_norm):
     """On a GPU the Trainer's logging_nan_inf_filter (a host read of every loss) is replaced by the same arithmetic on

@@ -205,8 +205,17 @@ class OffloadMixin:
             self._metrics = saved
 
     def _get_grad_norm(self, model, grad_norm=None):
-        if self._run.optimizer is None:
-            return super()._get_grad_norm(model, grad_norm)
+        run = self._run
+        if run.optimizer is None:
+            norm = super()._get_grad_norm(model, grad_norm)
+            # The Trainer's own optimizer (CPU, LoRA, another optim): with our arguments a non-finite step is skipped
+            # there too -- its gradients dropped, which every torch optimizer takes as "leave this tensor as it is" --
+            # and counted toward max_nonfinite_steps. (Plain TrainingArguments: the Trainer's own behaviour.)
+            if run.nonfinite.limit and not math.isfinite(float(norm.item() if hasattr(norm, "item") else norm)):
+                guards.nonfinite_step(run)
+                for p in model.parameters():
+                    p.grad = None
+            return norm
         if grad_norm is None:  # no clipping: the norm the hooks measured before each update
             grad_norm = self._run.optimizer.clip_grad_norm_(float("inf"))
         return grad_norm
