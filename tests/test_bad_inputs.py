@@ -353,6 +353,28 @@ def test_negative_token_id(tmp_path, capsys):
     expect(Case(tmp_path, data=str(data)), capsys, 2, "row 2: input_ids holds a negative token id (-7)")
 
 
+def test_data_rewritten_with_its_old_mtime(tmp_path):
+    """A data file rewritten with its old modification time (same size, other text): the rows are the new ones, not
+    the cache of the old file (datasets knows a file by its path and mtime)."""
+    from transformers import AutoTokenizer
+
+    from offload_trainer.cli.run_args import DataArguments
+    from offload_trainer.data import build_datasets
+    from offload_trainer.data.sources import builtin_asset
+
+    tok = AutoTokenizer.from_pretrained(builtin_asset("tokenizer"))
+    f = tmp_path / "d.jsonl"
+    f.write_text("".join(json.dumps({"text": "apple " * 20}) + "\n" for _ in range(30)))
+    st = f.stat()
+    before, _ = build_datasets(DataArguments(dataset_path=str(f), max_seq_length=32), tok, vocab_size=512)
+    f.write_text("".join(json.dumps({"text": "zebra " * 20}) + "\n" for _ in range(30)))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert f.stat().st_size == st.st_size and f.stat().st_mtime_ns == st.st_mtime_ns
+    after, _ = build_datasets(DataArguments(dataset_path=str(f), max_seq_length=32), tok, vocab_size=512)
+    want = tok("zebra " * 20, add_special_tokens=False)["input_ids"][:5]
+    assert after[0]["input_ids"][:5].tolist() == want != before[0]["input_ids"][:5].tolist()
+
+
 def test_finished_run_resumed(trained, tmp_path, capsys):
     """A finished run re-run with resume_from_checkpoint: true (also with save_total_limit: 1) trains nothing and
     changes nothing: the Trainer would train one step past max_steps and write that model over the finished one."""
