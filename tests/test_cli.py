@@ -134,6 +134,15 @@ def test_a_local_looking_model_path_that_is_not_there_is_reported_at_once(tmp_pa
         capsys.readouterr().err
 
 
+def test_report_with_odd_checkpoint_names(tmp_path, capsys):
+    """`report` on a directory whose checkpoint-* names are not checkpoint-N: they are not checkpoints (no
+    traceback); the sentence says there is no trainer state."""
+    (tmp_path / "checkpoint-final").mkdir()
+    (tmp_path / "checkpoint-final" / "trainer_state.json").write_text("{}")
+    assert cli.main(["report", str(tmp_path)]) == 2
+    assert "no trainer_state.json in" in capsys.readouterr().err
+
+
 def test_report_prints_a_summary_and_says_what_to_do_without_a_state(tmp_path, capsys):
     from offload_trainer.cli.report import summary
 

@@ -98,6 +98,22 @@ def test_merge_refuses_an_out_that_is_not_new(tmp_path, capsys):
     assert AutoModelForCausalLM.from_pretrained(again, dtype=torch.float32) is not None
 
 
+def test_merge_with_a_broken_adapter_config(tmp_path, capsys):
+    """adapter_config.json cut short, or without a rank: one sentence, nothing written."""
+    from safetensors.torch import save_file
+
+    base_dir = save_base(tmp_path / "base", torch.float32)
+    adapters = tmp_path / "adapters"
+    adapters.mkdir()
+    save_file({"base_model.model.x.lora_A.weight": torch.zeros(1, 1)}, adapters / "adapter_model.safetensors")
+    for text in ('{"r": 8, "lora_al', '{"lora_alpha": 16}'):
+        (adapters / "adapter_config.json").write_text(text)
+        assert cli.main(["merge", str(adapters), "--base", str(base_dir)]) == 2
+        err = capsys.readouterr().err
+        assert "adapter_config.json: not a LoRA adapter config" in err and "Traceback" not in err, err
+        assert not (adapters / "merged").exists()
+
+
 def test_qlora_run_writes_adapters_that_reload_with_plain_transformers_and_peft(tmp_path, capsys, monkeypatch):
     """QLoRA through the command: the adapters (no merged model), the log names the merge command; reloaded with
     transformers' own 4-bit load and peft they give the trained model's logits; merged into the bf16 base they give

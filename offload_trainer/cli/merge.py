@@ -28,8 +28,14 @@ def lora_pairs(adapter_dir: str) -> tuple[dict, float]:
     if not (os.path.isfile(cfg_path) and os.path.isfile(weights)):
         raise MergeError(f"{adapter_dir!r} holds no LoRA adapters (adapter_config.json and adapter_model.safetensors, "
                          f"as a LoRA run writes into its output_dir)")
-    with open(cfg_path) as f:
-        cfg = json.load(f)
+    try:
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        if not isinstance(cfg, dict) or not isinstance(cfg.get("r"), int) or cfg["r"] < 1:
+            raise ValueError("no positive LoRA rank r")
+    except (OSError, ValueError) as e:  # (json's JSONDecodeError is a ValueError)
+        raise MergeError(f"{cfg_path}: not a LoRA adapter config ({e}); it is written by peft's save_pretrained "
+                         f"next to adapter_model.safetensors") from None
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("fan_in_fan_out"):
         raise MergeError(f"{adapter_dir!r}: only plain LoRA adapters are merged here (peft_type LORA, not "
                          f"fan_in_fan_out); merge others with peft's merge_and_unload()")

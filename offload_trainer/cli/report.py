@@ -25,8 +25,9 @@ SERIES = {
 def trainer_state(output_dir: str) -> dict:
     path = os.path.join(output_dir, "trainer_state.json")
     if not os.path.isfile(path):  # an interrupted run: the newest checkpoint's state
-        ckpts = sorted(glob.glob(os.path.join(output_dir, "checkpoint-*", "trainer_state.json")),
-                       key=lambda p: int(p.split("checkpoint-")[-1].split(os.sep)[0]))
+        found = glob.glob(os.path.join(output_dir, "checkpoint-*", "trainer_state.json"))
+        steps = {p: os.path.basename(os.path.dirname(p)).split("-", 1)[1] for p in found}
+        ckpts = sorted((p for p, n in steps.items() if n.isdigit()), key=lambda p: int(steps[p]))  # (checkpoint-N)
         if not ckpts:
             raise FileNotFoundError(f"no trainer_state.json in {output_dir} or its checkpoints: a Python run writes it "
                                     f"with trainer.save_state() (offload-trainer train does), or report from the "
