@@ -233,6 +233,15 @@ def test_checkpoint_of_another_model(trained, tmp_path, capsys):
                  "model_overrides={num_hidden_layers: 2, hidden_size: 64}"])
 
 
+@pytest.mark.parametrize("layers, needle", [(3, "are not in the checkpoint (e.g. 'model.layers.2."),
+                                            (1, "are not here (e.g. 'model.layers.1.")])
+def test_resume_with_another_layer_count(layers, needle, trained, tmp_path, capsys):
+    case = copy_run(trained, tmp_path)
+    expect(case, capsys, 2, "is from a different model:", needle, "another number of layers?",
+           argv=[f"resume_from_checkpoint={case.out / 'checkpoint-2'}", "max_steps=4",
+                 f"model_overrides={{num_hidden_layers: {layers}}}"])
+
+
 def test_damaged_newest_checkpoint(trained, tmp_path, capsys):
     case = copy_run(trained, tmp_path)
     (case.out / "checkpoint-2" / "trainer_state.json").write_text("{ cut")

@@ -211,6 +211,16 @@ def _check_same_model(saved: dict[str, tuple], model, path: str) -> None:
     if saved and not common:
         raise CheckpointError(f"checkpoint {path!r} is from a different model: none of its {len(saved)} tensor "
                               f"names exist here (e.g. {next(iter(saved))!r}).")
+    if any("lora" in k for k in saved):  # (adapters: their names are peft's business)
+        return
+    only_saved = sorted(set(saved) - set(ours))
+    only_ours = sorted(k for k, v in inner.named_parameters() if v.requires_grad and k not in saved)
+    if only_saved or only_ours:  # e.g. another number of layers: the load would fail, or leave layers untrained
+        k, where = (only_saved[0], "here") if only_saved else (only_ours[0], "in the checkpoint")
+        raise CheckpointError(f"checkpoint {path!r} is from a different model: {len(only_saved or only_ours)} "
+                              f"tensors are not {where} (e.g. {k!r}; another number of layers?). Use the "
+                              f"model_config / model_name_or_path it was trained with, or start without "
+                              f"resume_from_checkpoint.")
 
 
 def newest_complete_checkpoint(run_dir: str, model=None) -> str | None:
