@@ -28,15 +28,17 @@ LOG_FORMAT, LOG_DATEFMT = "%(asctime)s %(name)s: %(message)s", "%H:%M:%S"
 def use_expandable_segments() -> None:
     """The CUDA allocator with expandable segments, unless the user set PYTORCH_CUDA_ALLOC_CONF. Measured through
     `offload-trainer train` (8B, 24 GiB cap, H200): the same speed and 1.2 GiB less reserved than the default
-    allocator (21.85 vs 23.06 GiB), room a 24 GiB card needs. The variable alone is not enough (measured: as much
-    reserved as with the default): torch is imported, and may have read it, before this runs. So the running
-    allocator is told as well; the variable stays set for child processes. Not under torchrun: data parallel over
-    NCCL was measured with the default allocator only."""
+    allocator (21.85 vs 23.06 GiB), room a 24 GiB card needs. Where torch is imported already (main() called from a
+    script), it may have read the variable (measured: as much reserved as with the default), so the running allocator
+    is told as well; otherwise torch reads it when it starts, and is not imported here (a refused run answers in a
+    fraction of a second). The variable stays set for child processes. Not under torchrun: data parallel over NCCL
+    was measured with the default allocator only."""
     if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-    import torch
-
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if setter is not None and torch.cuda.is_available():
         setter("expandable_segments:True")

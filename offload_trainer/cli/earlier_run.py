@@ -1,0 +1,133 @@
+"""The run's output directory before training: another run holding it, an earlier run in it (refused, resumed,
+finished, or set aside by overwrite_output_dir until this one replaces it), the trained model's own directory."""
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+
+from ..errors import ConfigError, OutputBusy
+from ..trainer.outputs import LOCK_NAME, STAGING_PREFIX, OutputLock
+from .config import load_yaml, parse_overrides
+
+logger = logging.getLogger("offload_trainer")
+
+CHECKPOINT_DIR = re.compile(r"^checkpoint-\d+$")
+
+
+def refuse_busy_output_dir(config: str, overrides: list[str]) -> None:
+    """OutputBusy if another run holds the config's output_dir (read from the YAML alone; a config that cannot be read
+    is left to load_config to report)."""
+    try:
+        out = {**load_yaml(config), **parse_overrides(overrides)}.get("output_dir")
+    except ConfigError:
+        return
+    if isinstance(out, str) and os.path.isdir(out):
+        OutputLock(os.path.expanduser(out)).probe()
+
+
+def resumes_here(training_args) -> bool:
+    """The run continues one in its own output_dir (`resume_from_checkpoint: true`, or a checkpoint inside it); a
+    checkpoint of another directory starts a new run in this one."""
+    resume = training_args.resume_from_checkpoint
+    if not resume or str(resume).strip().lower() in ("false", "none", ""):
+        return False
+    if str(resume).strip().lower() in ("true", "latest"):
+        return True
+    return os.path.realpath(resume).startswith(os.path.realpath(training_args.output_dir) + os.sep)
+
+
+def finished_step(training_args) -> int | None:
+    """The step a finished run in output_dir ended at, when this one resumes it and asks for no more steps: its
+    trainer_state.json (written with the final model) at or past max_steps, no newer checkpoint. The Trainer would
+    otherwise train one more step and write its model over the finished one."""
+    path = os.path.join(training_args.output_dir, "trainer_state.json")
+    if not resumes_here(training_args) or not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        step, planned = int(state["global_step"]), int(state["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    target = training_args.max_steps if training_args.max_steps > 0 else planned
+    steps = [int(n.split("-")[1]) for n in os.listdir(training_args.output_dir) if CHECKPOINT_DIR.match(n)]
+    return step if step >= target and max(steps, default=0) <= step else None
+
+
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin",
+               "pytorch_model.bin.index.json")
+
+
+def check_earlier_run(training_args, model_args) -> bool:
+    """An output_dir holding an earlier run is refused unless this run resumes it or asks to start over (True: it
+    holds one and overwrite_output_dir asks to replace it): the new run's checkpoints would silently replace and
+    interleave with the old ones. The model's own directory is refused always (its weights would be replaced)."""
+    out = training_args.output_dir
+    base = model_args.model_name_or_path
+    put_back_earlier_run(out)  # (left set aside by a run killed before its first checkpoint)
+    if base and os.path.isdir(out) and os.path.realpath(base) == os.path.realpath(out):
+        raise OutputBusy(f"output_dir {out!r} is the directory of the model it trains (model_name_or_path): the run "
+                         f"would write its checkpoints and model over the weights. Choose another output_dir.")
+    if not os.path.isdir(out) or resumes_here(training_args):
+        return False
+    ckpts = sorted((n for n in os.listdir(out) if CHECKPOINT_DIR.match(n)), key=lambda n: int(n.split("-")[1]))
+    finished = [n for n in ("trainer_state.json", *MODEL_FILES) if os.path.exists(os.path.join(out, n))]
+    if not ckpts and not finished:
+        return False
+    if training_args.overwrite_output_dir:
+        return True
+    what = f"checkpoints up to {ckpts[-1]}" if ckpts else f"a finished run ({finished[0]})"
+    raise OutputBusy(f"output_dir {out!r} holds {what} of an earlier run. Continue it with resume_from_checkpoint: "
+                     f"true, start over with overwrite_output_dir: true (its checkpoints are removed first), or choose "
+                     f"another output_dir.")
+
+
+EARLIER_RUN = ".earlier-run"  # inside output_dir: an earlier run set aside by overwrite_output_dir
+
+
+@contextlib.contextmanager
+def earlier_run_set_aside(out: str):
+    """overwrite_output_dir: the earlier run's files wait in output_dir/.earlier-run while this run starts; they are
+    deleted once it has written a checkpoint or its model, and put back if it stops before (a bad data row, a
+    signal): a run that fails early never leaves output_dir with neither run."""
+    aside = os.path.join(out, EARLIER_RUN)
+    names = [n for n in os.listdir(out) if n not in (LOCK_NAME, EARLIER_RUN) and not n.startswith(STAGING_PREFIX)]
+    os.makedirs(aside, exist_ok=True)
+    for n in names:
+        os.rename(os.path.join(out, n), os.path.join(aside, n))
+    logger.info("overwrite_output_dir: the earlier run in %s is set aside until this one writes a checkpoint", out)
+    try:
+        yield
+    finally:
+        if _holds_a_run(out):
+            ckpts = sorted(n for n in names if CHECKPOINT_DIR.match(n))
+            shutil.rmtree(aside, ignore_errors=True)
+            logger.warning("overwrite_output_dir: removed %s of the earlier run in %s",
+                           ", ".join(ckpts) or "the files", out)
+        else:
+            put_back_earlier_run(out)
+
+
+def _holds_a_run(out: str) -> bool:
+    return any(CHECKPOINT_DIR.match(n) or n in MODEL_FILES for n in os.listdir(out))
+
+
+def put_back_earlier_run(out: str) -> None:
+    """An earlier run set aside (`earlier_run_set_aside`) goes back into output_dir when no later run replaced it
+    (it stopped first, or was killed before its first checkpoint); otherwise what is left of it is removed."""
+    aside = os.path.join(out, EARLIER_RUN)
+    if not os.path.isdir(aside):
+        return
+    if _holds_a_run(out):
+        shutil.rmtree(aside, ignore_errors=True)
+        return
+    for n in os.listdir(aside):
+        if not os.path.isdir(os.path.join(out, n)):  # (a directory this run made, e.g. its tracker's logs, stays)
+            os.replace(os.path.join(aside, n), os.path.join(out, n))
+    shutil.rmtree(aside, ignore_errors=True)
+    logger.warning("overwrite_output_dir: this run stopped before its first checkpoint; the earlier run in %s is "
+                   "back as it was", out)
