@@ -412,6 +412,7 @@ def four_steps(tmp_path_factory) -> Path:
 ])
 def test_damaged_newest_checkpoint_is_skipped(row, name, content, four_steps, tmp_path, capsys):
     case = copy_run(four_steps, tmp_path)
+    (case.out / "trainer_state.json").unlink()  # (stopped after checkpoint-4: a finished run has nothing to resume)
     (case.out / "checkpoint-4" / name).write_bytes(content)
     rc, err = case.run(capsys, "resume_from_checkpoint=true", "max_steps=4")
     assert rc == 0, err

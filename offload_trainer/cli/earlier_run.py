@@ -37,7 +37,8 @@ def resumes_here(training_args) -> bool:
         return False
     if str(resume).strip().lower() in ("true", "latest"):
         return True
-    return os.path.realpath(resume).startswith(os.path.realpath(training_args.output_dir) + os.sep)
+    path, out = os.path.realpath(resume), os.path.realpath(training_args.output_dir)
+    return path == out or path.startswith(out + os.sep)  # (output_dir itself: the resume says what to give instead)
 
 
 def finished_step(training_args) -> int | None:

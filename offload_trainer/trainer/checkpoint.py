@@ -213,7 +213,8 @@ def _check_same_model(saved: dict[str, tuple], model, path: str) -> None:
                               f"names exist here (e.g. {next(iter(saved))!r}).")
     if any("lora" in k for k in saved):  # (adapters: their names are peft's business)
         return
-    only_saved = sorted(set(saved) - set(ours))
+    buffers = {k for k, _ in inner.named_buffers()}  # (a buffer is the model's own business, see above)
+    only_saved = sorted(k for k in set(saved) - set(ours) - buffers if k.endswith((".weight", ".bias")))
     only_ours = sorted(k for k, v in inner.named_parameters() if v.requires_grad and k not in saved)
     if only_saved or only_ours:  # e.g. another number of layers: the load would fail, or leave layers untrained
         k, where = (only_saved[0], "here") if only_saved else (only_ours[0], "in the checkpoint")
