@@ -384,6 +384,34 @@ def test_data_rewritten_with_its_old_mtime(tmp_path):
     assert after[0]["input_ids"][:5].tolist() == want != before[0]["input_ids"][:5].tolist()
 
 
+def test_signal_outside_the_training_loop(tmp_path, capsys, monkeypatch):
+    """SIGTERM while the run loads (before the Trainer's own handler), and Ctrl-C during the final save: a sentence
+    with the exit code of the signal, naming the last complete checkpoint where there is one."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from offload_trainer.cli import recipe
+
+    case = Case(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "offload_trainer.cli", "train", str(case.config)],
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # (in the imports and loading: the training loop is seconds away)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "interrupted: SIGTERM outside the training loop: no checkpoint was saved" in err and "Traceback" not in err
+
+    def cut(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recipe, "write_outputs", cut)  # (Ctrl-C while the final model is written)
+    (tmp_path / "save").mkdir()
+    expect(Case(tmp_path / "save"), capsys, 130, "interrupted: SIGINT outside the training loop: the last checkpoint is",
+           "checkpoint-2 (continue with resume_from_checkpoint: true)", untouched=False)
+
+
 def test_finished_run_resumed(trained, tmp_path, capsys):
     """A finished run re-run with resume_from_checkpoint: true (also with save_total_limit: 1) trains nothing and
     changes nothing: the Trainer would train one step past max_steps and write that model over the finished one."""

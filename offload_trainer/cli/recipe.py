@@ -7,20 +7,60 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 
 from .. import sysinfo
-from ..errors import ConfigError
+from ..errors import ConfigError, TrainingInterrupted
 from ..planner import Machine
 from ..settings import OffloadSettings
 from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save, written_in_place_of
-from .config import load_config, parse_args
+from ..trainer.checkpoint import newest_complete_checkpoint
+from .config import load_config, load_yaml, parse_args, parse_overrides
 from .earlier_run import check_earlier_run, earlier_run_set_aside, finished_step, refuse_busy_output_dir
 
 logger = logging.getLogger("offload_trainer")
 
 def train(config: str, overrides: list[str]) -> str:
-    """Train from a YAML config; returns the output directory."""
+    """Train from a YAML config; returns the output directory. A SIGINT / SIGTERM outside the training loop (loading,
+    tokenizing, the final save; inside it the Trainer saves and stops cleanly) ends it with a sentence naming the last
+    complete checkpoint, as one inside it does."""
     refuse_busy_output_dir(config, overrides)  # in a fraction of a second: before transformers is imported
+    with _signals_say_where_the_run_stands(config, overrides):
+        return _train(config, overrides)
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as Ctrl-C is, so that the same clean-up runs."""
+
+
+@contextlib.contextmanager
+def _signals_say_where_the_run_stands(config: str, overrides: list[str]):
+    def terminated(signum, frame):
+        raise _Terminated
+
+    old = signal.signal(signal.SIGTERM, terminated) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        if isinstance(e, TrainingInterrupted):
+            raise
+        signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+        try:
+            out = {**load_yaml(config), **parse_overrides(overrides)}.get("output_dir") or ""
+        except ConfigError:  # (interrupted before the config was found good: nothing of the run exists)
+            out = ""
+        ckpt = newest_complete_checkpoint(os.path.expanduser(str(out))) if out else None
+        raise TrainingInterrupted(
+            f"{signal.Signals(signum).name} outside the training loop: "
+            + (f"the last checkpoint is {ckpt} (continue with resume_from_checkpoint: true)" if ckpt else
+               "no checkpoint was saved"), signum, ckpt) from None
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
+
+
+def _train(config: str, overrides: list[str]) -> str:
     cfg = load_config(config, overrides)  # every check that needs no model happens here
     from ..trainer.args import streams_optimizer  # (transformers: loaded once the config is known good)
 
