@@ -6,7 +6,6 @@ read the constants without importing transformers.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +171,3 @@ class OffloadSettings:
         if value is None and plan is not None:
             value = getattr(plan, name)
         return bool(value)
-
-    def replace(self, **changes) -> "OffloadSettings":
-        return dataclasses.replace(self, **changes)

@@ -6,27 +6,30 @@ import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 
 from ..errors import ConfigError, OutputBusy
+from ..trainer.checkpoint import MODEL_FILES, checkpoint_steps
 from ..trainer.outputs import LOCK_NAME, STAGING_PREFIX, OutputLock
 from .config import load_yaml, parse_overrides
 
 logger = logging.getLogger("offload_trainer")
 
-CHECKPOINT_DIR = re.compile(r"^checkpoint-\d+$")
-
-
-def refuse_busy_output_dir(config: str, overrides: list[str]) -> None:
-    """OutputBusy if another run holds the config's output_dir (read from the YAML alone; a config that cannot be read
-    is left to load_config to report)."""
+def configured_output_dir(config: str, overrides: list[str]) -> str | None:
+    """The output_dir a config names, read from the YAML alone (before it is checked; None where it cannot be read:
+    load_config reports why)."""
     try:
         out = {**load_yaml(config), **parse_overrides(overrides)}.get("output_dir")
     except ConfigError:
-        return
-    if isinstance(out, str) and os.path.isdir(out):
-        OutputLock(os.path.expanduser(out)).probe()
+        return None
+    return os.path.expanduser(out) if isinstance(out, str) and out else None
+
+
+def refuse_busy_output_dir(config: str, overrides: list[str]) -> None:
+    """OutputBusy if another run holds the config's output_dir."""
+    out = configured_output_dir(config, overrides)
+    if out is not None and os.path.isdir(out):
+        OutputLock(out).probe()
 
 
 def resumes_here(training_args) -> bool:
@@ -55,12 +58,8 @@ def finished_step(training_args) -> int | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     target = training_args.max_steps if training_args.max_steps > 0 else planned
-    steps = [int(n.split("-")[1]) for n in os.listdir(training_args.output_dir) if CHECKPOINT_DIR.match(n)]
+    steps = checkpoint_steps(training_args.output_dir).values()
     return step if step >= target and max(steps, default=0) <= step else None
-
-
-MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", "pytorch_model.bin",
-               "pytorch_model.bin.index.json")
 
 
 def check_earlier_run(training_args, model_args) -> bool:
@@ -75,7 +74,7 @@ def check_earlier_run(training_args, model_args) -> bool:
                          f"would write its checkpoints and model over the weights. Choose another output_dir.")
     if not os.path.isdir(out) or resumes_here(training_args):
         return False
-    ckpts = sorted((n for n in os.listdir(out) if CHECKPOINT_DIR.match(n)), key=lambda n: int(n.split("-")[1]))
+    ckpts = list(checkpoint_steps(out))
     finished = [n for n in ("trainer_state.json", *MODEL_FILES) if os.path.exists(os.path.join(out, n))]
     if not ckpts and not finished:
         return False
@@ -83,8 +82,8 @@ def check_earlier_run(training_args, model_args) -> bool:
         return True
     what = f"checkpoints up to {ckpts[-1]}" if ckpts else f"a finished run ({finished[0]})"
     raise OutputBusy(f"output_dir {out!r} holds {what} of an earlier run. Continue it with resume_from_checkpoint: "
-                     f"true, start over with overwrite_output_dir: true (its checkpoints are removed first), or choose "
-                     f"another output_dir.")
+                     f"true, start over with overwrite_output_dir: true (the earlier run is replaced once this one "
+                     f"writes a checkpoint), or choose another output_dir.")
 
 
 EARLIER_RUN = ".earlier-run"  # inside output_dir: an earlier run set aside by overwrite_output_dir
@@ -97,6 +96,7 @@ def earlier_run_set_aside(out: str):
     signal): a run that fails early never leaves output_dir with neither run."""
     aside = os.path.join(out, EARLIER_RUN)
     names = [n for n in os.listdir(out) if n not in (LOCK_NAME, EARLIER_RUN) and not n.startswith(STAGING_PREFIX)]
+    ckpts = ", ".join(checkpoint_steps(out)) or "the files"
     os.makedirs(aside, exist_ok=True)
     for n in names:
         os.rename(os.path.join(out, n), os.path.join(aside, n))
@@ -105,16 +105,12 @@ def earlier_run_set_aside(out: str):
         yield
     finally:
         if _holds_a_run(out):
-            ckpts = sorted(n for n in names if CHECKPOINT_DIR.match(n))
-            shutil.rmtree(aside, ignore_errors=True)
-            logger.warning("overwrite_output_dir: removed %s of the earlier run in %s",
-                           ", ".join(ckpts) or "the files", out)
-        else:
-            put_back_earlier_run(out)
+            logger.warning("overwrite_output_dir: removed %s of the earlier run in %s", ckpts, out)
+        put_back_earlier_run(out)
 
 
 def _holds_a_run(out: str) -> bool:
-    return any(CHECKPOINT_DIR.match(n) or n in MODEL_FILES for n in os.listdir(out))
+    return bool(checkpoint_steps(out)) or any(os.path.exists(os.path.join(out, n)) for n in MODEL_FILES)
 
 
 def put_back_earlier_run(out: str) -> None:

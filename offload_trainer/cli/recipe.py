@@ -14,10 +14,11 @@ from .. import sysinfo
 from ..errors import ConfigError, TrainingInterrupted
 from ..planner import Machine
 from ..settings import OffloadSettings
-from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save, written_in_place_of
+from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save
 from ..trainer.checkpoint import newest_complete_checkpoint
-from .config import load_config, load_yaml, parse_args, parse_overrides
-from .earlier_run import check_earlier_run, earlier_run_set_aside, finished_step, refuse_busy_output_dir
+from .config import load_config, parse_args
+from .earlier_run import (check_earlier_run, configured_output_dir, earlier_run_set_aside, finished_step,
+                          refuse_busy_output_dir)
 
 logger = logging.getLogger("offload_trainer")
 
@@ -46,11 +47,8 @@ def _signals_say_where_the_run_stands(config: str, overrides: list[str]):
         if isinstance(e, TrainingInterrupted):
             raise
         signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
-        try:
-            out = {**load_yaml(config), **parse_overrides(overrides)}.get("output_dir") or ""
-        except ConfigError:  # (interrupted before the config was found good: nothing of the run exists)
-            out = ""
-        ckpt = newest_complete_checkpoint(os.path.expanduser(str(out))) if out else None
+        out = configured_output_dir(config, overrides)
+        ckpt = newest_complete_checkpoint(out) if out else None
         raise TrainingInterrupted(
             f"{signal.Signals(signum).name} outside the training loop: "
             + (f"the last checkpoint is {ckpt} (continue with resume_from_checkpoint: true)" if ckpt else
@@ -310,8 +308,8 @@ def write_outputs(trainer, tokenizer, model_args) -> None:
     try:
         trainer.save_model()
         if trainer.is_world_process_zero():  # (Trainer.save_state's file, written without following a link)
-            with written_in_place_of(os.path.join(args.output_dir, "trainer_state.json")) as tmp:
-                trainer.state.save_to_json(tmp)
+            with staged_save(args.output_dir, "the trainer state") as staging:
+                trainer.state.save_to_json(os.path.join(staging, "trainer_state.json"))
         if model_args.lora_r and getattr(model_args, "load_in_4bit", False):
             how = (f"into the bf16 base, one shard at a time: offload-trainer merge {args.output_dir} --base "
                    f"{model_args.model_name_or_path}" if model_args.model_name_or_path else

@@ -8,11 +8,11 @@ interrupted run, and on runs of the plain Trainer too (fewer series). From Pytho
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 
-from ..trainer.outputs import written_in_place_of
+from ..trainer.checkpoint import checkpoint_steps
+from ..trainer.outputs import staged_save
 
 SERIES = {
     "loss.png": [("loss", "train loss"), ("eval_loss", "eval loss")],
@@ -25,9 +25,8 @@ SERIES = {
 def trainer_state(output_dir: str) -> dict:
     path = os.path.join(output_dir, "trainer_state.json")
     if not os.path.isfile(path):  # an interrupted run: the newest checkpoint's state
-        found = glob.glob(os.path.join(output_dir, "checkpoint-*", "trainer_state.json"))
-        steps = {p: os.path.basename(os.path.dirname(p)).split("-", 1)[1] for p in found}
-        ckpts = sorted((p for p, n in steps.items() if n.isdigit()), key=lambda p: int(steps[p]))  # (checkpoint-N)
+        names = checkpoint_steps(output_dir) if os.path.isdir(output_dir) else {}
+        ckpts = [s for n in names if os.path.isfile(s := os.path.join(output_dir, n, "trainer_state.json"))]
         if not ckpts:
             raise FileNotFoundError(f"no trainer_state.json in {output_dir} or its checkpoints: a Python run writes it "
                                     f"with trainer.save_state() (offload-trainer train does), or report from the "
@@ -97,23 +96,23 @@ def write_report(output_dir: str, source=None) -> list[str]:
     import matplotlib.pyplot as plt
 
     state = _state_of(source if source is not None else output_dir)
+    title = os.path.basename(os.path.abspath(output_dir))
     written = []
-    for name, keys in SERIES.items():
-        lines = [(label, *series(state, key)) for key, label in keys]
-        lines = [ln for ln in lines if ln[1]]
-        if not lines:
-            continue
-        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-        for label, xs, ys in lines:
-            ax.plot(xs, ys, marker="o", markersize=3, label=label)
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        ax.set_title(f"{os.path.basename(os.path.abspath(output_dir))}: {name[:-4]}")
-        fig.tight_layout()
-        path = os.path.join(output_dir, name)
-        with written_in_place_of(path) as tmp:
-            fig.savefig(tmp, format="png")
-        plt.close(fig)
-        written.append(path)
+    with staged_save(output_dir, "the plots") as staging:  # (moved into place, never written through a planted link)
+        for name, keys in SERIES.items():
+            lines = [(label, *series(state, key)) for key, label in keys]
+            lines = [ln for ln in lines if ln[1]]
+            if not lines:
+                continue
+            fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+            for label, xs, ys in lines:
+                ax.plot(xs, ys, marker="o", markersize=3, label=label)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+            ax.legend()
+            ax.set_title(f"{title}: {name[:-4]}")
+            fig.tight_layout()
+            fig.savefig(os.path.join(staging, name))
+            plt.close(fig)
+            written.append(os.path.join(output_dir, name))
     return written

@@ -8,6 +8,7 @@ import json
 import os
 from importlib import resources
 
+from ..digest import files_digest
 from ..errors import DataError
 
 
@@ -66,18 +67,20 @@ def content_digest(path: str) -> str:
     and modification time, so a file rewritten with its old time (a copy with -p, a restored backup) was read from
     the stale cache; its cache directory and the rows' fingerprint are named by this too. Reads the data once per
     run (xxh3: ~10 GB/s)."""
-    import xxhash
-
-    h = xxhash.xxh3_128()
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(root, f) for root, _, names in os.walk(path) for f in names
         if os.path.splitext(f)[1].lower() in BUILDERS)
-    for f in files:
-        h.update(os.path.relpath(f, path).encode())
-        with open(f, "rb") as fh:
-            while block := fh.read(1 << 24):
-                h.update(block)
-    return h.hexdigest()
+    return files_digest(files, root=path)
+
+
+def _cached_by_content(kwargs: dict, path: str) -> str:
+    """`path`'s content digest, with load_dataset's cache directory named by it (unless the user gave one)."""
+    import datasets
+
+    digest = content_digest(path)
+    kwargs.setdefault("cache_dir", os.path.join(datasets.config.HF_DATASETS_CACHE, "offload_trainer", "sources",
+                                                digest))
+    return digest
 
 
 def load(data_args, *, split: str):
@@ -104,18 +107,13 @@ def load(data_args, *, split: str):
             builder = builder or BUILDERS[os.path.splitext(path)[1].lower()]
             if builder == "text":
                 kwargs.setdefault("encoding", "utf-8-sig")  # (a byte-order mark is not text)
-            digest = None if streaming else content_digest(path)
-            if digest:
-                kwargs.setdefault("cache_dir", os.path.join(datasets.config.HF_DATASETS_CACHE, "offload_trainer",
-                                                            "sources", digest))
+            digest = None if streaming else _cached_by_content(kwargs, path)
             ds = datasets.load_dataset(builder, data_files={"train": path}, split="train", streaming=streaming,
                                        **kwargs)
             return _known_by(ds, digest)
         target = builder or path  # a directory of data files, or a Hub name (offline: from the HF cache)
-        digest = content_digest(path) if looks_local(name) and os.path.isdir(path) and not streaming else None
-        if digest:
-            kwargs.setdefault("cache_dir", os.path.join(datasets.config.HF_DATASETS_CACHE, "offload_trainer", "sources",
-                                                        digest))
+        local_dir = looks_local(name) and os.path.isdir(path) and not streaming
+        digest = _cached_by_content(kwargs, path) if local_dir else None
         found = datasets.load_dataset(target, data_args.dataset_config, streaming=streaming, **kwargs)
         return _known_by(_split_of(found, split, name), digest)
     except DataError:

@@ -15,18 +15,25 @@ import os
 import re
 import shutil
 import zipfile
-import zlib
 
+from ..digest import ALGORITHM, files_digest
 from ..errors import CheckpointError
 from .outputs import STAGING_PREFIX
 
 logger = logging.getLogger("offload_trainer")
 
-_CKPT = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 _SHARD = re.compile(r"^optimizer-rank(\d+)-of-(\d+)\.pt$")
 _RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
                 "pytorch_model.bin")
+MODEL_FILES = (*WEIGHT_FILES, "pytorch_model.bin.index.json")  # (what a saved model is recognised by)
+
+
+def checkpoint_steps(run_dir: str) -> dict[str, int]:
+    """The checkpoint-N entries of `run_dir` (name -> N), in step order; other names are not checkpoints."""
+    found = {n: int(m.group(1)) for n in os.listdir(run_dir) if (m := CHECKPOINT_NAME.match(n))}
+    return dict(sorted(found.items(), key=lambda kv: kv[1]))
 
 
 def clean_staging(run_dir: str) -> None:
@@ -41,22 +48,8 @@ def clean_staging(run_dir: str) -> None:
 CHECKSUMS = "checksums.json"
 
 
-def _digest(file: str) -> str:
-    """A fast hash of a file's bytes (xxh3 from xxhash, which datasets brings: ~10 GB/s; else zlib's crc32)."""
-    try:
-        import xxhash
-
-        h, name = xxhash.xxh3_64(), "xxh3_64"
-    except ImportError:  # pragma: no cover - datasets depends on xxhash
-        h, name = None, "crc32"
-    crc = 0
-    with open(file, "rb") as f:
-        while block := f.read(1 << 24):
-            if h is not None:
-                h.update(block)
-            else:
-                crc = zlib.crc32(block, crc)
-    return f"{name}:{h.hexdigest() if h is not None else format(crc, '08x')}"
+def _hash(file: str) -> str:
+    return f"{ALGORITHM}:{files_digest([file])}"
 
 
 def write_checksums(path: str) -> None:
@@ -66,7 +59,7 @@ def write_checksums(path: str) -> None:
     for root, _, names in os.walk(path):
         for name in names:
             full = os.path.join(root, name)
-            files[os.path.relpath(full, path)] = {"bytes": os.path.getsize(full), "hash": _digest(full)}
+            files[os.path.relpath(full, path)] = {"bytes": os.path.getsize(full), "hash": _hash(full)}
     with open(os.path.join(path, CHECKSUMS), "w") as f:
         json.dump(files, f, indent=0, sort_keys=True)
 
@@ -85,7 +78,7 @@ def _check_checksums(path: str) -> None:
         size = os.path.getsize(full) if os.path.isfile(full) else None
         why = ("is missing" if size is None else f"has {size} bytes, {want['bytes']} when saved"
                if size != want["bytes"] else "differs from what was saved (its hash)"
-               if _digest(full) != want["hash"] else None)
+               if _hash(full) != want["hash"] else None)
         if why:
             raise CheckpointError(f"checkpoint {path!r} is damaged: {rel} {why}. Resume from an earlier checkpoint.")
 
@@ -96,7 +89,7 @@ def check_checkpoint(path: str, model=None) -> None:
     if not os.path.isdir(path):
         raise CheckpointError(f"Can't find a valid checkpoint at {path}: the directory does not exist "
                               f"(resume_from_checkpoint: true picks the newest complete one in output_dir)")
-    if any(_CKPT.match(n) and os.path.isdir(os.path.join(path, n)) for n in os.listdir(path)):
+    if any(CHECKPOINT_NAME.match(n) and os.path.isdir(os.path.join(path, n)) for n in os.listdir(path)):
         raise CheckpointError(f"Can't find a valid checkpoint at {path}: it is a run's output directory, not one of "
                               f"its checkpoints. Use resume_from_checkpoint: true (its newest complete checkpoint), "
                               f"or the path of one checkpoint-N in it.")
@@ -228,9 +221,7 @@ def newest_complete_checkpoint(run_dir: str, model=None) -> str | None:
     """The checkpoint-N with the largest N that passes `check_checkpoint` (damaged ones are skipped, logged)."""
     if not os.path.isdir(run_dir):
         return None
-    found = sorted(((int(m.group(1)), name) for name in os.listdir(run_dir) if (m := _CKPT.match(name))),
-                   reverse=True)
-    for _, name in found:
+    for name in reversed(checkpoint_steps(run_dir)):
         path = os.path.join(run_dir, name)
         try:
             check_checkpoint(path, model)

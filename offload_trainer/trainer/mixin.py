@@ -121,8 +121,7 @@ class OffloadMixin:
             run.swap.synchronize()
         # Trainer.train() (re)enables plain checkpointing before its loop; ours goes on top at the first step.
         run.new_train()
-        if run.streaming and not isinstance(self.args, OffloadFields) and "nonfinite" not in run.said:
-            run.said.add("nonfinite")
+        if run.streaming and not isinstance(self.args, OffloadFields) and run.first_time("nonfinite"):
             logger.info("non-finite steps: an optimizer step whose loss or gradient norm is NaN/inf is skipped (weights "
                         "and 8-bit states kept), where the Trainer would apply it; training goes on, as the Trainer's "
                         "does (OffloadTrainingArguments' max_nonfinite_steps stops after that many in a row)")
@@ -251,8 +250,7 @@ class OffloadMixin:
         unwrapped = self.accelerator.unwrap_model(model)
         if chunk and _liger_computes_loss(base_model(unwrapped)):
             chunk = 0
-            if "liger" not in self._run.said:
-                self._run.said.add("liger")
+            if self._run.first_time("liger"):
                 logger.info("use_liger_kernel: Liger's fused linear cross-entropy computes the loss (it keeps no full "
                             "logits either); loss_chunk_size steps aside")
         parts = _head_and_decoder(unwrapped) if chunk else None

@@ -19,7 +19,6 @@ import errno
 import logging
 import os
 import shutil
-import tempfile
 
 from ..errors import OutputBusy, StorageError
 
@@ -98,21 +97,6 @@ def open_no_follow(path: str, flags: int, mode: int = 0o644) -> int:
             raise
     os.unlink(path)  # (the link itself, not what it points to)
     return os.open(path, flags | os.O_EXCL, mode)
-
-
-@contextlib.contextmanager
-def written_in_place_of(path: str):
-    """Yield a new temporary path beside `path`; once the block has written it, it is renamed over `path`: a link
-    planted at `path` is replaced, never written through, and a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=STAGING_PREFIX)
-    os.close(fd)
-    os.chmod(tmp, 0o644)  # (mkstemp's 0600 is for secrets; a plot or a state file is read by others)
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
 
 
 def check_output_dir(output_dir: str) -> None:

@@ -69,7 +69,7 @@ def check(checkpoint: str, args, step: int | None) -> None:
                               f"checkpoint.")
     for key, new in now.items():
         old = saved.get(key, new)
-        if old == new or (key == "max_steps" and new == old):
+        if old == new:
             continue
         if key in IGNORED:
             raise CheckpointError(f"resuming {checkpoint} with {key} {old} -> {new}, which would not take effect: "

@@ -67,6 +67,12 @@ class RunState:
         self.step_batches: list = []  # speculative clipping: this optimizer step's micro-batches, for a redo
         self.said: set[str] = set()  # one-time log lines already said
 
+    def first_time(self, line: str) -> bool:
+        """True the first time it is asked for `line`: the log lines said once a run."""
+        new = line not in self.said
+        self.said.add(line)
+        return new
+
     def decided(self, name: str) -> bool:
         """A switch as given, or, left unset, as the plan decided (off without a plan)."""
         return self.settings.decided(name, self.plan)

@@ -162,7 +162,8 @@ def streamed_optimizer(trainer, run: RunState, model=None):
     ]
     accumulate = s.accumulation > 1
     speculative = s.clips and run.decided("speculative_clipping")
-    if speculative and run.sharded and device_state_bytes(run):
+    on_device = device_state_bytes(run)
+    if speculative and run.sharded and on_device:
         raise ConfigError("speculative_clipping with several ranks streams every 8-bit state (each rank must know "
                           "which updates speculate), but offload_device_states keeps some on the GPU: set "
                           "offload_device_states: off, or speculative_clipping: false")
@@ -183,7 +184,7 @@ def streamed_optimizer(trainer, run: RunState, model=None):
         inflight_chunks=s.inflight_chunks,
         sharding=Sharding() if run.sharded else None,
         fused=s.fused_update,
-        device_state_bytes=device_state_bytes(run),
+        device_state_bytes=on_device,
     )
     opt.attach(model)
     if run.swap is not None:
@@ -206,8 +207,7 @@ def streamed_optimizer(trainer, run: RunState, model=None):
 
 def say_not_streaming(trainer, run: RunState, optimizer, model=None) -> None:
     """The Trainer's own optimizer runs (the streamed one does not: `streams_optimizer` says why): said once."""
-    if run.not_streaming_why and "not streaming" not in run.said:
-        run.said.add("not streaming")
+    if run.not_streaming_why and run.first_time("not streaming"):
         m = model if model is not None else trainer.model
         weights = sum(p.numel() * p.element_size() for p in m.parameters()) / 2**30
         grads = sum(p.numel() * p.element_size() for p in m.parameters() if p.requires_grad) / 2**30
