@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -102,6 +103,33 @@ def row_from_logs(logs: list[dict], *, skip: int, tokens_per_step: int) -> dict:
                            pcie_gb_per_s=statistics.median(x.get("pcie_gb_per_s", 0.0) for x in timed)))
 
 
+class FitLines(logging.Handler):
+    """The log's `layer swap:` lines (the fit's measurements and moves)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        if record.getMessage().startswith("layer swap:"):
+            self.lines.append(record.getMessage())
+
+
+def prediction_at(run, config, seq: int, resident: int, model_args) -> dict:
+    """The planner's prediction for the run's plan with `resident` layers on the GPU (its other switches as decided;
+    no GPU budget, so a count over it is predicted rather than refused)."""
+    from dataclasses import replace
+
+    from offload_trainer.planner import plan_for_run
+
+    p = run.plan
+    settings = replace(run.settings, gpu_memory_limit_gb=None, layer_swap=resident,
+                       activation_offload=p.activation_offload, offload_gradients=p.offload_gradients,
+                       speculative_clipping=p.speculative_clipping, device_states=p.device_state_gib)
+    out = predicted(plan_for_run(settings, config, seq, host_gb=p.host_budget_gib, model_args=model_args))
+    return {**out, "resident_layers": resident}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
@@ -112,6 +140,8 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="with --profile-steps: write the events here (gzipped JSON)")
     ap.add_argument("--cprofile", action="store_true",
                     help="cProfile one step after the --skip first and the profiled ones: top Python functions")
+    ap.add_argument("--system", default=None, help="the row's system (default: offload_trainer_cli[_noclip...]); e.g. "
+                    "native_8bit for the same command with offload_optimizer=false optim=adamw_torch_8bit, uncapped")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
     a = ap.parse_args()
@@ -134,6 +164,10 @@ def main() -> None:
                tokens_per_step=tokens, tok_per_s=None, step_s_median=None, peak_alloc_gib=None,
                peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None,
                extra=dict(argv=" ".join([a.config, *a.overrides])))
+    if a.system:
+        row["system"] = a.system
+    said = FitLines()
+    logging.getLogger("offload_trainer").addHandler(said)
     profiler = ProfileSteps(a.skip, a.profile_steps, a.trace) if a.profile_steps else None
     cprof = CProfileStep(a.skip + a.profile_steps) if a.cprofile else None
     callbacks = [c for c in (profiler, cprof) if c is not None]
@@ -171,8 +205,17 @@ def main() -> None:
         if opt is not None and opt.speculative:  # clipped speculatively: what the clip did over the run
             row["system"] = row["system"].replace("offload_trainer_cli", "offload_trainer_cli_speculative")
             row["extra"]["clip_counts"] = opt.clip_counts
-        if built[0]._run.plan is not None:  # the Trainer's own plan (its host peak counts a save's shard)
-            row["predicted"] = predicted(built[0]._run.plan)
+        run = built[0]._run
+        if run.plan is not None:  # the Trainer's own plan (its host peak counts a save's shard)
+            row["predicted"] = predicted(run.plan)
+        if run.swap is not None:  # layer swap: the plan's resident layers, those the fit moved to, and the plan's
+            # prediction for the count the run ended with (the measured peaks are those of that count)
+            final = run.swap.n_layers - len(run.swap.swapped_indices)
+            row["extra"]["resident_layers"] = {"planned": run.plan.resident_layers if run.plan else None, "final": final}
+            row["extra"]["fit"] = said.lines
+            if run.plan is not None and final != run.plan.resident_layers:
+                row["predicted"] = prediction_at(run, built[0].model.config, data_args.max_seq_length, final,
+                                                 model_args)
     row["extra"]["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # (the command sets one if unset)
     if profiler is not None:  # (the profiled steps are among the timed ones: profiling slows them a little)
         row["extra"]["profile"] = profiler.summary

@@ -16,6 +16,7 @@ INFLIGHT_CHUNKS = 4  # GPU staging slots; at least 2: one copying while one upda
 INFLIGHT_CHUNKS_MIN = 2
 LOSS_CHUNK = 1024  # tokens per chunk of the LM head + cross-entropy (0: the model's own loss)
 LAYER_SWAP_PREFETCH = 1  # swapped layers fetched ahead of use
+LAYER_SWAP_FIT_STEPS = 3  # layer_swap auto: full-size steps whose measured peak moves layers on or off the GPU
 MAX_NONFINITE_STEPS = 5  # skipped non-finite steps in a row before the run stops (0: no check)
 MASTER_WEIGHTS = ("bf16_sr", "bf16")  # the first is the default
 DEVICE_STATES = "auto"

@@ -231,10 +231,10 @@ def build_trainer(model_args, data_args, training_args, settings, model_config, 
         logger.info("data: %d training rows of up to %d tokens%s", len(train_ds), data_args.max_seq_length,
                     f", {len(eval_ds)} held out" if eval_ds is not None and hasattr(eval_ds, "__len__") else "")
     swap = settings.layer_swap is not False
-    init_device = None  # a random-init model is built where it will train, when it fits there (not swapped)
-    if not (model_args.model_name_or_path or getattr(model_args, "load_in_4bit", False) or swap):
-        init_device = random_init_device(model_config, DTYPES[model_args.torch_dtype], training_args.device,
-                                         settings.gpu_memory_limit_gb)
+    init_device = None  # a random-init model is built on the GPU: whole where it fits, else layer by layer for the swap
+    if not (model_args.model_name_or_path or getattr(model_args, "load_in_4bit", False)):
+        init_device = training_args.device if swap else random_init_device(
+            model_config, DTYPES[model_args.torch_dtype], training_args.device, settings.gpu_memory_limit_gb)
     with model_errors(model_args.model_name_or_path, "the weights"):
         model = load_model(model_args, layerwise=swap,
                            init_device=init_device)

@@ -18,6 +18,7 @@ biases) stay on the GPU. LoRA / QLoRA:
 only the frozen tensors are swapped (bf16, or bitsandbytes 4-bit with its quantization state); the
 trainable adapters stay on the GPU, so nothing is ever copied back.
 
+The resident count can change between steps (`set_resident`: layer_swap auto's fit to the measured peak, fit.py).
 Each tensor keeps its own storage (host and slot), so `state_dict()` / `save_pretrained` see ordinary,
 unshared tensors. Works from a bare loop; imports torch only. On CPU the same logic runs synchronously.
 """
@@ -31,22 +32,10 @@ import torch
 from torch import Tensor, nn
 
 from ..settings import LAYER_SWAP_PREFETCH
+from .layers import TensorRef, quant_state_refs
 from .streams import StallMeter, Streams, pinned_empty
 
 __all__ = ["LayerSwap", "spread_swapped"]
-
-
-def layer_stacks(model: nn.Module) -> list[nn.ModuleList]:
-    """The stacks of repeated blocks (ModuleLists whose items hold linear layers): the decoder layers, and a vision
-    encoder's layers. Longest first. The one way the package finds layers (swap, the Trainer, the 4-bit loaders)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
-             and all(any(isinstance(c, nn.Linear) for c in item.modules()) for item in m)]
-    return sorted(lists, key=len, reverse=True)
-
-
-def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
-    """The decoder layers: the stack with the most parameters (of any HF causal LM, or a plain model's blocks)."""
-    return max(layer_stacks(model), key=lambda m: sum(p.numel() for p in m.parameters()), default=None)
 
 
 def spread_swapped(n_layers: int, n_swapped: int) -> list[int]:
@@ -56,43 +45,10 @@ def spread_swapped(n_layers: int, n_swapped: int) -> list[int]:
     return [i for i in range(n_layers) if (i + 1) * n_swapped // n_layers > i * n_swapped // n_layers]
 
 
-class _Ref:
-    """Where one swappable tensor lives: a parameter, a buffer, or a field of a quantization state."""
-
-    __slots__ = ("owner", "name", "kind")
-
-    def __init__(self, owner, name: str, kind: str):
-        self.owner, self.name, self.kind = owner, name, kind
-
-    def get(self) -> Tensor:
-        if self.kind == "param":
-            return self.owner._parameters[self.name]
-        if self.kind == "buffer":
-            return self.owner._buffers[self.name]
-        return getattr(self.owner, self.name)
-
-    def set(self, t: Tensor) -> None:
-        if self.kind == "param":
-            self.owner._parameters[self.name].data = t
-        elif self.kind == "buffer":
-            self.owner._buffers[self.name] = t
-        else:
-            setattr(self.owner, self.name, t)
-
-
-def _quant_state_refs(qs) -> list[_Ref]:
-    """bitsandbytes 4-bit QuantState: absmax and code (and the nested state of double quantization)."""
-    refs = [_Ref(qs, n, "attr") for n in ("absmax", "code") if isinstance(getattr(qs, n, None), Tensor)]
-    if isinstance(getattr(qs, "offset", None), Tensor):
-        refs.append(_Ref(qs, "offset", "attr"))
-    inner = getattr(qs, "state2", None)
-    return refs + (_quant_state_refs(inner) if inner is not None else [])
-
-
 @dataclass
 class _Layer:
     index: int
-    refs: list[_Ref]
+    refs: list[TensorRef]
     host: list[Tensor]  # pinned, one storage per tensor
     signature: tuple
     nbytes: int  # of the host tensors: what one fetch or one copy-back moves
@@ -129,6 +85,7 @@ class LayerSwap:
         if prefetch < 0:
             raise ValueError(f"prefetch={prefetch} must be >= 0")
         self.prefetch = prefetch
+        self.stack, self._swap_trainable = layers, swap_trainable
         self._streams = Streams(self.device, update_stream=False)
         self.stall = StallMeter(self._streams)
         self.swapped_indices = spread_swapped(self.n_layers, self.n_layers - resident)
@@ -144,10 +101,7 @@ class LayerSwap:
                 self._layers[i] = self._offload(i, layer, swap_trainable)
             else:
                 layer.to(self.device)
-        # one pool per layer shape (decoder stacks may mix kinds of layers), never more slots than such layers
-        counts = Counter(lay.signature for lay in self._layers.values())
-        self._pools = {sig: [_Slot([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in sig])
-                             for _ in range(min(prefetch + 2, n))] for sig, n in counts.items()}
+        self._pools = self._make_pools()
         self._last: int | None = None  # the layer whose hook ran last
         for i, layer in enumerate(layers):
             # NOTE: the layer's own hook and its children's: transformers >= 5.2x checkpoints `forward`, not
@@ -158,6 +112,11 @@ class LayerSwap:
     def swaps(self, p: Tensor) -> bool:
         """Whether the trained tensor `p` lives in pinned host memory between uses (a swapped layer's)."""
         return p in self._by_param
+
+    @property
+    def layer_bytes(self) -> int:
+        """The GPU memory of the largest layer when resident: what moving one layer on or off changes."""
+        return max(sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers())) for m in self.stack)
 
     @property
     def trainable_swapped(self) -> bool:
@@ -171,13 +130,13 @@ class LayerSwap:
             for name, p in mod._parameters.items():
                 if p is None:
                     continue
-                (trainable_refs if p.requires_grad else frozen_refs).append(_Ref(mod, name, "param"))
+                (trainable_refs if p.requires_grad else frozen_refs).append(TensorRef(mod, name, "param"))
                 qs = getattr(p, "quant_state", None)
                 if qs is not None:
-                    frozen_refs.extend(_quant_state_refs(qs))
+                    frozen_refs.extend(quant_state_refs(qs))
             for name, b in mod._buffers.items():
                 if b is not None:
-                    frozen_refs.append(_Ref(mod, name, "buffer"))
+                    frozen_refs.append(TensorRef(mod, name, "buffer"))
         if swap_trainable is None:
             nbytes = lambda refs: sum(r.get().numel() * r.get().element_size() for r in refs)  # noqa: E731
             swap_trainable = nbytes(frozen_refs) < nbytes(trainable_refs)
@@ -208,6 +167,49 @@ class LayerSwap:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def _make_pools(self) -> dict:
+        """One pool of GPU slots per layer shape (decoder stacks may mix kinds of layers), never more slots than
+        such layers."""
+        counts = Counter(lay.signature for lay in self._layers.values())
+        return {sig: [_Slot([torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in sig])
+                      for _ in range(min(self.prefetch + 2, n))] for sig, n in counts.items()}
+
+    def set_resident(self, resident: int) -> list[int]:
+        """Keep `resident` layers on the GPU from now on: between optimizer steps, once every update of the model
+        has run (`StreamedAdamW8bit.synchronize()`). Layers leave the GPU before others arrive, so the GPU never
+        holds both; the swapped set changes as little as it can (layers leaving are spread over the resident ones,
+        those arriving over the swapped ones). Returns the swapped indices."""
+        if not 0 <= resident <= self.n_layers:
+            raise ValueError(f"resident={resident}: must be between 0 and the number of layers ({self.n_layers})")
+        old = sorted(self._layers)
+        want = self.n_layers - resident
+        if want == len(old):
+            return old
+        self.offload_all()
+        self._streams.synchronize()
+        self._pools, self._current, self._last = {}, None, None  # (slots freed before any layer moves)
+        if want > len(old):
+            kept = [i for i in range(self.n_layers) if i not in self._layers]
+            for k in spread_swapped(len(kept), want - len(old)):
+                self._layers[kept[k]] = self._offload(kept[k], self.stack[kept[k]], self._swap_trainable)
+        else:
+            keep = {old[k] for k in spread_swapped(len(old), want)}
+            for i in old:
+                if i not in keep:
+                    self._bring_back(self._layers.pop(i))
+        self._streams.synchronize()
+        self._pools = self._make_pools()
+        self.swapped_indices = sorted(self._layers)
+        return self.swapped_indices
+
+    def _bring_back(self, lay: _Layer) -> None:
+        """Make a swapped layer resident: its tensors copied to the GPU, its pinned host copies released."""
+        for r, h in zip(lay.refs, lay.host):
+            r.set(h.to(self.device))  # (on the compute stream, where the layer runs; the host copy goes once read)
+            if r.kind == "param":
+                self._by_param.pop(r.owner._parameters[r.name], None)
+        lay.host.clear()
 
     # ------------------------------------------------------------------ hooks
     def _make_hook(self, i: int):

@@ -11,7 +11,7 @@ import torch
 from ..data.sources import builtin_asset
 from ..errors import ConfigError
 from ..planner import ModelShape
-from .layerwise_4bit import pretrained_4bit_layerwise, random_init_4bit
+from .layerwise import pretrained_4bit_layerwise, random_init_4bit, random_init_layerwise
 from .registry import DTYPES, VISION_LM_TARGETS, architecture_config, base_model, model_class
 
 def hub_kwargs(model_args) -> dict:
@@ -53,8 +53,9 @@ def load_model(model_args, *, layerwise: bool = False,
                init_device: torch.device | None = None):
     """Load pretrained weights, or build a named architecture with random init, in the requested dtype.
     `layerwise` (layer swap): a 4-bit base is read and quantized one layer at a time and kept in CPU memory, so it
-    may be bigger than the GPU. `init_device`: where a random-init model is built (default: the CPU; see
-    `random_init_device`)."""
+    may be bigger than the GPU; a random-init model is built one layer at a time on `init_device` when that is a GPU,
+    each decoder layer parked in CPU memory for the swap to place. `init_device`: where a random-init model is built
+    (default: the CPU; see `random_init_device`)."""
     dtype = DTYPES[model_args.torch_dtype]
     if getattr(model_args, "load_in_4bit", False):
         model = _load_4bit(model_args, dtype, layerwise=layerwise)
@@ -73,8 +74,11 @@ def load_model(model_args, *, layerwise: bool = False,
     else:
         config = architecture_config(model_args.model_config, model_args.model_overrides)
         config._attn_implementation = model_args.attn_implementation
-        with torch.device(init_device or "cpu"):
-            model = model_class(config).from_config(config, dtype=dtype)
+        if layerwise and init_device is not None and init_device.type == "cuda":
+            model = random_init_layerwise(config, init_device, park="cpu", dtype=dtype)
+        else:
+            with torch.device(init_device or "cpu"):
+                model = model_class(config).from_config(config, dtype=dtype)
     # Training never reads a KV cache, and one built in forward turns off transformers' per-document masks of packed
     # rows (it detects packing from position_ids only without a cache).
     model.config.use_cache = False

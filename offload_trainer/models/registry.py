@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..engine.swap import layer_stacks
+from ..engine.layers import layer_stacks
 
 # Shared by the Llama-3.2 Vision sizes (90B, 11B): Llama-3.1's long-context RoPE and the 40-layer vision encoder.
 # (architecture_config deep-copies an entry before use.)
@@ -34,6 +34,10 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "llama3-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                       max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False),
+    # Llama-3.1-8B: Llama-3-8B's layers with 128k positions (Llama-3.1's RoPE scaling), for long-context runs
+    "llama3.1-8b": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                        max_position_embeddings=131072, rope_parameters=_LLAMA31_ROPE, tie_word_embeddings=False),
     "qwen2.5-14b": dict(model_type="qwen2", hidden_size=5120, intermediate_size=13824, num_hidden_layers=48,
                         num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
                         max_position_embeddings=32768, rope_theta=1000000.0, tie_word_embeddings=False),

@@ -55,14 +55,18 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                 device_state_gib=fixed_states / GiB, save_shard_gib=save_shard_bytes / GiB)
     gpu_usable = (gpu_memory_limit_gb - machine.cuda_context_gib) * GiB if gpu_memory_limit_gb else math.inf
     host_usable = host_memory_gb * GiB if host_memory_gb else math.inf
+    # layer_swap auto starts with a margin below the budget: its first steps measure the peak and move layers onto
+    # the GPU while it leaves room (engine/fit.py); a count predicted to just fit would be run before it is measured
+    swap_usable = gpu_usable - (AUTO_SWAP_START_MARGIN_GIB * GiB if layer_swap is None else 0)
     tried = []
     for switches in _candidates(shape.layers, layer_swap, activation_offload, offload_gradients,
                                 grads_wait=clip or accum > 1, lora=bool(lora_params), tried=tried,
-                                gpu_usable=gpu_usable):
+                                gpu_usable=swap_usable):
         e = est(batch=batch, seq=seq, **switches)
         p = Plan(offload_gradients=switches["offload_gradients"], activation_offload=switches["activation_offload"],
                  resident_layers=switches["resident"], **base, **_predicted(e))
-        p.fits = e["reserved"] <= gpu_usable and e["host"] <= host_usable
+        usable = gpu_usable if switches["resident"] == shape.layers else swap_usable
+        p.fits = e["reserved"] <= usable and e["host"] <= host_usable
         tried.append(p)
         if p.fits and device_states == "auto" and gpu_memory_limit_gb and ranks == 1 and not (
                 lora_params or switches["activation_offload"] or switches["resident"] < shape.layers):
@@ -186,6 +190,7 @@ def _notes(p: Plan, e: dict, shape: ModelShape, weight_bytes: int) -> list[str]:
     return notes
 
 
+AUTO_SWAP_START_MARGIN_GIB = 0.5  # see `plan`: layer_swap auto's first count, before the fit measures it
 DEVICE_STATE_MARGIN_GIB = 0.25  # of the GPU budget left free when "auto" keeps the embedding's states on the GPU
 # ... and when it keeps more (the next tensors' states): the larger of these, since the planner's GPU peak was measured
 # up to 3.3% under (8B at 1 x 8192 on 24 GiB) on plans without activation offload

@@ -128,7 +128,7 @@ class OffloadMixin:
         with guards.signals_stop_cleanly(run, self.state), seams.no_ddp_wrapper(self.accelerator, run), \
                 seams.optimizer_not_moved(self.accelerator), \
                 seams.loss_filter_on_device(self.args, run, on_device=self._filters_loss_on_device()), \
-                seams.step_end_decisions(self.callback_handler, self._on_step_end):
+                seams.step_decisions(self.callback_handler, self._on_step_begin, self._on_step_end):
             result = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         # The last step's updates may still be queued (they wait for a next forward): the model a caller reads after
         # train() is its final one, as with the Trainer's own optimizer.
@@ -136,8 +136,16 @@ class OffloadMixin:
         guards.raise_if_stopped(run, self.args.output_dir, self.state.global_step)
         return result
 
+    def _on_step_begin(self) -> None:
+        if self._run.fit is not None:
+            self._run.fit.start_step()
+
     def _on_step_end(self, state, control) -> None:
-        guards.on_step_end(self._run, state.global_step, control)
+        run = self._run
+        if run.fit is not None:
+            run.fit.end_step(before_move=run.synchronize)
+            seams.claim_device_map(self.model, run.swap.stack, self.args.device, run.swap.swapped_indices)
+        guards.on_step_end(run, state.global_step, control)
 
     # -------------------------------------------------------------- checkpoints (staging.py)
     def _get_output_dir(self, trial):
@@ -224,7 +232,10 @@ class OffloadMixin:
         run, opt = self._run, self._run.optimizer
         if run.want_activations and run.activations is None:
             run.activations = enable_activation_offload(self.accelerator.unwrap_model(model))
-        run.log.tokens += int(inputs["input_ids"].numel()) if "input_ids" in inputs else 0
+        tokens = int(inputs["input_ids"].numel()) if "input_ids" in inputs else 0
+        run.log.tokens += tokens
+        if run.fit is not None:
+            run.fit.saw_batch(tokens)
         accumulate = opt is not None and not self.accelerator.sync_gradients
         if opt is not None and opt.speculative:  # (a redo runs these again)
             run.step_batches.append((model, dict(inputs), num_items_in_batch, accumulate))

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..engine.optim import StreamedAdamW8bit
+from ..engine.fit import ResidencyFit
 from ..engine.swap import LayerSwap
 from ..planner import Plan
 from ..settings import OffloadSettings
@@ -56,6 +57,7 @@ class RunState:
         self.plan = plan
         self.streaming, self.not_streaming_why = False, ""
         self.swap: LayerSwap | None = None
+        self.fit: ResidencyFit | None = None  # layer_swap: auto on a GPU: the resident layers fitted to the peak
         self.optimizer: StreamedAdamW8bit | None = None
         self.activations = None  # the ActivationOffloader, once installed in this train()
         self.want_activations = False

@@ -120,18 +120,24 @@ def filtered_loss(trainer, run: RunState, loss: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(loss), loss, running / (1 + trainer.state.global_step - last))
 
 @contextlib.contextmanager
-def step_end_decisions(handler, ours):
-    """While train() runs, the Trainer's `on_step_end` event is followed by `ours(state, control)` (skipped
-    non-finite steps, interrupts), after every callback's: a wrapper of this Trainer's callback handler, not a
-    callback of our own, so `callback_handler.callbacks` lists only what the user and the Trainer added."""
-    on_step_end = handler.on_step_end
+def step_decisions(handler, begin, end):
+    """While train() runs, the Trainer's `on_step_begin` event is followed by `begin()` (the residency fit's
+    measurement starts) and its `on_step_end` by `end(state, control)` (the fit, skipped non-finite steps,
+    interrupts), after every callback's: a wrapper of this Trainer's callback handler, not a callback of our own, so
+    `callback_handler.callbacks` lists only what the user and the Trainer added."""
+    on_step_begin, on_step_end = handler.on_step_begin, handler.on_step_end
 
-    def with_ours(args, state, control):
-        control = on_step_end(args, state, control)
-        ours(state, control)
+    def begin_with_ours(args, state, control):
+        control = on_step_begin(args, state, control)
+        begin()
         return control
 
-    with overridden(handler, "on_step_end", with_ours):
+    def end_with_ours(args, state, control):
+        control = on_step_end(args, state, control)
+        end(state, control)
+        return control
+
+    with overridden(handler, "on_step_begin", begin_with_ours), overridden(handler, "on_step_end", end_with_ours):
         yield
 
 

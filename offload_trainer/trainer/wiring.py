@@ -12,7 +12,10 @@ from ..engine.optim import StreamedAdamW8bit
 from ..planner import Machine, PlanError, plan_for_run
 from .run_state import RunState
 from .seams import claim_device_map
-from ..engine.swap import LayerSwap, decoder_layers
+from ..engine.fit import CudaProbe, ResidencyFit
+from ..engine.layers import decoder_layers
+from ..engine.swap import LayerSwap
+from ..settings import LAYER_SWAP_FIT_STEPS
 from ..sysinfo import gpu_budget_gib, host_memory_gib
 
 logger = logging.getLogger("offload_trainer")
@@ -131,11 +134,22 @@ def install_layer_swap(trainer, run: RunState) -> None:
                           "the streamed optimizer updates each swapped layer while it is on the GPU. (With LoRA "
                           "only the frozen base weights are swapped and any optimizer works.)")
     claim_device_map(model, layers, device, swap.swapped_indices)
+    if setting is None and device.type == "cuda" and run.settings.world_size == 1:
+        # the planner's count is a prediction: the first full-size steps measure the peak and move layers to fit it
+        run.fit = ResidencyFit(swap, swap.layer_bytes, run.plan.batch * run.plan.seq, steps=LAYER_SWAP_FIT_STEPS,
+                               probe=CudaProbe(device, limit_bytes=gpu_limit_bytes(run.settings)), say=logger.info)
     stats = swap.memory_stats()
     logger.info("layer swap: %d of %d decoder layers on %s, %d in pinned CPU memory (%.2f GiB), "
                 "%.2f GiB of GPU slots, prefetch %d", stats["resident_layers"], len(layers), device,
                 stats["swapped_layers"], stats["host_bytes"] / 2**30, stats["gpu_slot_bytes"] / 2**30,
                 swap.prefetch)
+
+
+def gpu_limit_bytes(settings) -> int | None:
+    """What `gpu_memory_limit_gb` leaves the allocator on a card of that size (the CUDA context taken off, as the
+    planner does: the per-process cap that emulates the card counts the allocator's memory only), in bytes."""
+    gib = settings.gpu_memory_limit_gb
+    return int((gib - Machine().cuda_context_gib) * 2**30) if gib else None
 
 
 def device_state_bytes(run: RunState) -> int:

@@ -1,14 +1,20 @@
-"""QLoRA bases built one block at a time: every block's linears quantized to bitsandbytes NF4 as the block is made
-(random init, or read from *.safetensors files without loading them whole), so a base bigger than the GPU or the
-host's RAM never exists in bf16."""
+"""Models built one block at a time on the GPU, each decoder layer parked in CPU memory once made: random-init
+models for layer swap (seconds where the CPU took minutes), and QLoRA bases whose block linears are quantized to
+bitsandbytes NF4 as each block is made (random init, or read from *.safetensors files without loading them whole), so
+a base bigger than the GPU or the host's RAM never exists in bf16."""
 from __future__ import annotations
 
+import logging
 import os
+import time
 import weakref
 
 import torch
 
 from .registry import layer_lists, model_class
+
+logger = logging.getLogger("offload_trainer")
+PROGRESS_EVERY_S = 5.0  # a build taking longer says how far it is at most this often
 
 def random_init_4bit(cfg, device: str = "cuda", park: str | None = None):
     """A random-init model whose block linears are bitsandbytes NF4 (`Linear4bit`), built one block at a time
@@ -19,13 +25,22 @@ def random_init_4bit(cfg, device: str = "cuda", park: str | None = None):
     `_init_weights`, except that the cross-attention gates (zero at init, which would cut the image off) are set
     to 0.1. `park`: where each decoder layer goes once built (e.g. "cpu", for a base bigger than the GPU)."""
 
-    def fill(model, name: str, m) -> None:
-        model._init_weights(m)
-        for n, gate in m.named_parameters(recurse=False):
-            if n.startswith("cross_attn_") and n.endswith("_gate"):
-                gate.fill_(0.1)
+    return _build(cfg, device, park, _random_fill, quantize=True)
 
-    return _build_4bit(cfg, device, park, fill)
+
+def random_init_layerwise(cfg, device: str = "cuda", park: str | None = "cpu", dtype: torch.dtype = torch.bfloat16):
+    """A random-init model built one block at a time on `device` (a GPU: an 8B model in seconds, where the CPU took
+    minutes) from the meta device, each decoder layer parked on `park` once made, so the GPU holds the embeddings,
+    the head and one layer at most: for layer swap, which pins the parked layers and moves the resident ones back.
+    Initialised as `random_init_4bit` (the model's own `_init_weights`; cross-attention gates at 0.1)."""
+    return _build(cfg, device, park, _random_fill, dtype=dtype, quantize=False)
+
+
+def _random_fill(model, name: str, m) -> None:
+    model._init_weights(m)
+    for n, gate in m.named_parameters(recurse=False):
+        if n.startswith("cross_attn_") and n.endswith("_gate"):
+            gate.fill_(0.1)
 
 
 class SafetensorsReader:
@@ -110,7 +125,7 @@ def pretrained_4bit_layerwise(path: str, cfg=None, device: str = "cuda", park: s
                 missing.append(full)
 
     try:
-        model = _build_4bit(cfg, device, park, fill, dtype=dtype)
+        model = _build(cfg, device, park, fill, dtype=dtype, quantize=True)
     finally:
         reader.close()
     if model.config.get_text_config().tie_word_embeddings:
@@ -128,10 +143,10 @@ def _module_name(model, module) -> str:
     return next(n for n, m in model.named_modules() if m is module)
 
 
-def _build_4bit(cfg, device: str, park: str | None, fill, dtype: torch.dtype = torch.bfloat16):
+def _build(cfg, device: str, park: str | None, fill, dtype: torch.dtype = torch.bfloat16, quantize: bool = True):
     """Build `cfg`'s model on the meta device, then materialise it module by module on `device`, each module's own
-    tensors filled by `fill(model, module_name, module)`; block linears become NF4 as each block is done."""
-    import bitsandbytes as bnb
+    tensors filled by `fill(model, module_name, module)`; with `quantize`, block linears become NF4 as each block is
+    done. A build over `PROGRESS_EVERY_S` says how far it is."""
     from torch import nn
 
     with torch.device("meta"):
@@ -166,23 +181,39 @@ def _build_4bit(cfg, device: str, park: str | None, fill, dtype: torch.dtype = t
         if id(m) not in in_blocks:
             materialise(m)
     decoder = blocks[0]
+    total, done = sum(len(stack) for stack in blocks), 0
+    start = said = time.perf_counter()
     for stack in blocks:
         for layer in stack:
             for m in layer.modules():
                 materialise(m)
-            for parent in list(layer.modules()):
-                for name, child in list(parent.named_children()):
-                    if type(child) is not nn.Linear:
-                        continue
-                    q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                          compute_dtype=dtype, quant_type="nf4", device="meta")
-                    q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4", module=q)
-                    if child.bias is not None:
-                        q.bias = nn.Parameter(child.bias.data, requires_grad=False)
-                    setattr(parent, name, q.to(device))  # quantizes on the GPU
+            if quantize:
+                _quantize_linears(layer, device, dtype)
             if park is not None and park != device and stack is decoder:
                 layer.to(park)
-    model.is_loaded_in_4bit = True  # peft picks its bitsandbytes LoRA layers from this flag
-    for p in model.parameters():
-        p.requires_grad_(False)
+            done += 1
+            if time.perf_counter() - said > PROGRESS_EVERY_S:
+                said = time.perf_counter()
+                logger.info("model: %d of %d blocks built (%.0f s)", done, total, said - start)
+    if quantize:
+        model.is_loaded_in_4bit = True  # peft picks its bitsandbytes LoRA layers from this flag
+        for p in model.parameters():
+            p.requires_grad_(False)
     return model
+
+
+def _quantize_linears(layer, device: str, dtype: torch.dtype) -> None:
+    """Every nn.Linear of `layer` replaced by a bitsandbytes NF4 `Linear4bit`, quantized on `device`."""
+    import bitsandbytes as bnb
+    from torch import nn
+
+    for parent in list(layer.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear:
+                continue
+            q = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                  compute_dtype=dtype, quant_type="nf4", device="meta")
+            q.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False, quant_type="nf4", module=q)
+            if child.bias is not None:
+                q.bias = nn.Parameter(child.bias.data, requires_grad=False)
+            setattr(parent, name, q.to(device))  # quantizes on the GPU
