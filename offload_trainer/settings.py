@@ -16,6 +16,7 @@ INFLIGHT_CHUNKS = 4  # GPU staging slots; at least 2: one copying while one upda
 INFLIGHT_CHUNKS_MIN = 2
 LOSS_CHUNK = 1024  # tokens per chunk of the LM head + cross-entropy (0: the model's own loss)
 LAYER_SWAP_PREFETCH = 1  # swapped layers fetched ahead of use
+MLP_TILE_TOKENS = 8192  # tiled MLP: tokens per tile (its intermediates exist for one tile at a time)
 LAYER_SWAP_FIT_STEPS = 3  # layer_swap auto: full-size steps whose measured peak moves layers on or off the GPU
 MAX_NONFINITE_STEPS = 5  # skipped non-finite steps in a row before the run stops (0: no check)
 MASTER_WEIGHTS = ("bf16_sr", "bf16")  # the first is the default
@@ -78,6 +79,7 @@ class OffloadSettings:
     offload_gradients: bool | None = None
     speculative_clipping: bool | None = None
     activation_offload: bool | None = None
+    tiled_mlp: bool | None = None
     chunk_numel: int = CHUNK_NUMEL
     inflight_chunks: int = INFLIGHT_CHUNKS
     fused_update: bool | None = None
@@ -119,6 +121,9 @@ class OffloadSettings:
         if self.activation_offload and not self.checkpointing:
             raise ValueError("activation_offload offloads the inputs that gradient checkpointing keeps: "
                              "set activation_checkpointing: true as well")
+        if self.tiled_mlp and not self.checkpointing:
+            raise ValueError("tiled_mlp recomputes each MLP tile in backward, which gradient checkpointing's recompute "
+                             "feeds: set activation_checkpointing: true as well")
         if self.layer_swap is not False and not self.checkpointing:
             raise ValueError("layer_swap fetches each swapped layer again for its recompute in backward: set "
                              "activation_checkpointing: true as well")
@@ -138,6 +143,7 @@ class OffloadSettings:
             offload_gradients=get("offload_gradients", None),
             speculative_clipping=get("speculative_clipping", None),
             activation_offload=get("activation_offload", None),
+            tiled_mlp=get("tiled_mlp", None),
             chunk_numel=get("offload_chunk_numel", CHUNK_NUMEL),
             inflight_chunks=get("offload_inflight_chunks", INFLIGHT_CHUNKS),
             fused_update=get("offload_fused_update", None),

@@ -8,28 +8,33 @@ import math
 from types import SimpleNamespace
 
 from ..engine.sizes import STATE_BYTES_PER_VALUE
+from ..settings import MLP_TILE_TOKENS
 from .shape import GiB, Machine, ModelShape
+
+SLACK_CAP_GIB = 4.5  # see `_gpu_phase`
 
 
 def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool, offload_gradients: bool,
              activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
              resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
              block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1, fused_update: bool = True,
-             device_states: float = 0, save_shard: int = 0, wb: int = 2, speculative: bool = False) -> dict:
+             device_states: float = 0, save_shard: int = 0, wb: int = 2, speculative: bool = False,
+             tiled: bool = False) -> dict:
     """Memory of one micro-batch of `batch` x `seq` tokens; traffic and time of one optimizer step of `accum`
     micro-batches. Data parallel over `ranks` processes (`node_ranks` of them on this host): each holds 1/ranks of
     the states; GPU figures are per process, host figures per node. `device_states`: bytes of 8-bit states kept on
     the GPU (their tensors' gradients are never offloaded either). `wb`: bytes per value of the model's dtype (weights,
     gradients, activations: 2 for bf16, 4 for float32); the 8-bit states are 2 bytes per value whatever it is.
     `speculative` (with `clip`): speculative clipping, on the steps whose clip does not fire (a redone step runs its
-    micro-batches twice); the GPU must also hold exact clipping's step, which it falls back to."""
+    micro-batches twice); the GPU must also hold exact clipping's step, which it falls back to. `tiled`: each MLP in
+    tiles of `MLP_TILE_TOKENS` positions (engine/tiled_mlp.py)."""
     L = shape.layers
     x = SimpleNamespace(shape=shape, params=params, batch=batch, seq=seq, clip=clip, og=offload_gradients,
                         act=activation_offload, loss_chunk=loss_chunk, chunk_numel=chunk_numel, inflight=inflight,
                         m=machine, swap_slots=swap_slots, lora=lora, weight_bits=weight_bits, block=block, accum=accum,
                         ranks=ranks, node_ranks=node_ranks, fused_update=fused_update, device_states=device_states,
                         save_shard=save_shard, wb=wb, T=batch * seq, swapped=L - (L if resident is None else resident),
-                        spec=speculative and clip and not lora)
+                        spec=speculative and clip and not lora, tiled=tiled)
     _weights(x)
     _gpu_held(x)
     _gpu_phase(x)
@@ -37,6 +42,7 @@ def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool
     _traffic(x)
     _time(x)
     return dict(reserved=x.reserved, allocated=x.allocated, host=x.host, pinned=x.pinned, pcie=x.h2d + x.d2h,
+                working=x.phase - x.checkpoints - x.grads_kept,
                 step=x.step, native=x.t_native, cpu_bound=x.cpu_bound,
                 breakdown={"weights": x.weights / GiB, "swap slots": x.swap_gpu / GiB,
                            **({"LoRA adapters + AdamW": x.adapters / GiB} if lora else {}),
@@ -84,7 +90,10 @@ def _gpu_phase(x) -> None:
     h, inter = s.hidden, s.intermediate
     loss = (x.loss_chunk if x.loss_chunk else T) * s.vocab * 10 + 2 * T * h * wb  # fp32 logits + grad, bf16; hidden
     head_grad = wb * x.largest if not x.lora else 0
-    layer_ws = (10 * T * h + 6 * T * inter) * wb  # one layer's recompute activations and their grads
+    # one layer's recompute activations and their grads; tiled, the MLP's intermediates are one tile's, and the MLP's
+    # weight gradients are summed over the tiles in float32
+    x.mlp_T = min(T, x.batch * MLP_TILE_TOKENS) if x.tiled else T
+    layer_ws = (10 * T * h + 6 * x.mlp_T * inter) * wb + (4 * 3 * h * inter if x.tiled and not x.lora else 0)
     if x.weight_bits == 4:
         layer_ws += 2 * h * inter  # the largest weight, dequantized for its matmul
     if s.cross_layers:
@@ -113,7 +122,9 @@ def _gpu_phase(x) -> None:
             else:
                 x.phase = max(x.phase, x.grads_kept + layer_ws + 2 * layer_grads)
     x.allocated = x.weights + x.swap_gpu + x.slots + x.update_temps + x.adapters + x.device_states + x.phase
-    x.slack = 9 * T * inter * wb  # allocator blocks freed between layers but not reused across sizes
+    # allocator blocks freed between layers but not reused across sizes, measured to level off with the tokens
+    # (8B, reserved less allocated: 0.8 GiB at 8k tokens, 3.6 at 16k, 4.5 at 32k)
+    x.slack = min(9 * x.mlp_T * inter * wb, SLACK_CAP_GIB * GiB)
     x.reserved = x.allocated + x.slack
 
 
@@ -164,9 +175,13 @@ def _time(x) -> None:
     # weights: forward + recompute + backward (input and weight gradients; LoRA: input gradients only)
     flops = (6 if x.lora else 8) * active * x.T + 8 * s.layers * x.T * x.seq * s.hidden  # + causal attention
     flops += 16 * s.cross_layers * x.T * s.cross_tokens * s.hidden  # + cross-attention to the image (fwd x2, bwd)
-    x.t_micro = t_micro = flops / m.train_flops * (m.nf4_slowdown if x.weight_bits == 4 else 1.0)
+    # tiled MLP: each MLP's forward once more, in backward (not on one big GPU, which needs no tiles)
+    tiled_flops = 2 * 3 * s.hidden * s.intermediate * x.T * (s.layers - s.moe_layers) if x.tiled else 0
+    slowdown = m.nf4_slowdown if x.weight_bits == 4 else 1.0
+    x.t_native = x.accum * flops / m.train_flops * slowdown + (16 * x.params / 4.0e12 if not x.lora else 0.0)  # AdamW:
+    # ~16 B/param at ~4 TB/s
+    x.t_micro = t_micro = (flops + tiled_flops) / m.train_flops * slowdown
     t_compute = x.accum * t_micro
-    x.t_native = t_compute + (16 * x.params / 4.0e12 if not x.lora else 0.0)  # AdamW: ~16 B/param at ~4 TB/s
     per_layer = [fan_in * fan_out for fan_in, fan_out in s.linear_shapes().values()]
     x.n_chunks = s.layers * (2 + sum(math.ceil(n / x.chunk) for n in per_layer)) + 2 * math.ceil(x.largest / x.chunk)
     # Launching chunk updates from Python competes with launching the step's own kernels; measured: hidden

@@ -53,7 +53,7 @@ def plan_for_run(settings: OffloadSettings, config, seq: int, *, host_gb: float 
     return plan(config, batch=s.batch, seq=seq, gpu_memory_limit_gb=gpu, host_memory_gb=host_gb,
                 max_grad_norm=s.max_grad_norm, loss_chunk=s.loss_chunk_size, chunk_numel=s.chunk_numel,
                 inflight=s.inflight_chunks, fused_update=s.fused_update is not False, device_states=s.device_states,
-                activation_offload=left_to_plan(s.activation_offload),
+                activation_offload=left_to_plan(s.activation_offload), tiled_mlp=left_to_plan(s.tiled_mlp),
                 offload_gradients=left_to_plan(s.offload_gradients),
                 speculative=left_to_plan(s.speculative_clipping), layer_swap=s.layer_swap, lora_params=lora,
                 weight_bits=bits, accum=s.accumulation, ranks=ranks or 1, node_ranks=node_ranks,

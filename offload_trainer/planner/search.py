@@ -8,7 +8,7 @@ import functools
 import math
 
 from ..engine.sizes import STATE_BYTES_PER_VALUE
-from ..settings import CHUNK_NUMEL, INFLIGHT_CHUNKS, LOSS_CHUNK
+from ..settings import CHUNK_NUMEL, INFLIGHT_CHUNKS, LOSS_CHUNK, MLP_TILE_TOKENS
 from .estimate import estimate as _estimate
 from .shape import GiB, Machine, ModelShape, PlanError
 from .table import Plan
@@ -20,7 +20,8 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
          offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
          lora_params: int = 0, weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
          fused_update: bool = True, device_states: str | float = 0, save_shard_bytes: int = 0,
-         weight_bytes: int = 2, speculative: bool | None = None, machine: Machine = Machine()) -> Plan:
+         weight_bytes: int = 2, speculative: bool | None = None, tiled_mlp: bool | None = False,
+         machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
 
     `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
@@ -38,6 +39,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     GPU budget): see `_with_device_states`.
     `speculative`: speculative clipping (with `max_grad_norm`): None takes it where it is faster and the host budget
     has room (`_with_speculation`); True insists; False clips exactly.
+    `tiled_mlp`: each MLP in tiles (engine/tiled_mlp.py); None takes it only where no plan fits without it.
 
     Raises PlanError, naming the knob to change, when none fits.
     """
@@ -56,17 +58,24 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     gpu_usable = (gpu_memory_limit_gb - machine.cuda_context_gib) * GiB if gpu_memory_limit_gb else math.inf
     host_usable = host_memory_gb * GiB if host_memory_gb else math.inf
     # layer_swap auto starts with a margin below the budget: its first steps measure the peak and move layers onto
-    # the GPU while it leaves room (engine/fit.py); a count predicted to just fit would be run before it is measured
-    swap_usable = gpu_usable - (AUTO_SWAP_START_MARGIN_GIB * GiB if layer_swap is None else 0)
-    tried = []
-    for switches in _candidates(shape.layers, layer_swap, activation_offload, offload_gradients,
-                                grads_wait=clip or accum > 1, lora=bool(lora_params), tried=tried,
-                                gpu_usable=swap_usable):
+    # the GPU while it leaves room (engine/fit.py); a count predicted to just fit would be run before it is measured.
+    # The margin grows with what the prediction is least sure of, the step's working set (long sequences)
+    def swap_usable(e=None) -> float:
+        if layer_swap is not None:
+            return gpu_usable
+        return gpu_usable - AUTO_SWAP_START_MARGIN_GIB * GiB - AUTO_SWAP_START_WORKING_SHARE * (e or {}).get(
+            "working", 0)
+    tried, gpu_fits = [], []  # every plan tried; whether each fit the GPU
+    tilings = [False, True] if tiled_mlp is None and seq > MLP_TILE_TOKENS else [bool(tiled_mlp)]
+    for switches in (dict(s, tiled=tiled) for tiled in tilings for s in _candidates(
+            shape.layers, layer_swap, activation_offload, offload_gradients, grads_wait=clip or accum > 1,
+            lora=bool(lora_params), gpu_fits=gpu_fits)):
         e = est(batch=batch, seq=seq, **switches)
         p = Plan(offload_gradients=switches["offload_gradients"], activation_offload=switches["activation_offload"],
-                 resident_layers=switches["resident"], **base, **_predicted(e))
-        usable = gpu_usable if switches["resident"] == shape.layers else swap_usable
-        p.fits = e["reserved"] <= usable and e["host"] <= host_usable
+                 resident_layers=switches["resident"], tiled_mlp=switches["tiled"], **base, **_predicted(e))
+        usable = gpu_usable if switches["resident"] == shape.layers else swap_usable(e)
+        gpu_fits.append(e["reserved"] <= usable)
+        p.fits = gpu_fits[-1] and e["host"] <= host_usable
         tried.append(p)
         if p.fits and device_states == "auto" and gpu_memory_limit_gb and ranks == 1 and not (
                 lora_params or switches["activation_offload"] or switches["resident"] < shape.layers):
@@ -84,7 +93,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
 
 
 def _candidates(layers: int, layer_swap, activation_offload, offload_gradients, *, grads_wait: bool, lora: bool,
-                tried: list, gpu_usable: float):
+                gpu_fits: list):
     """The switches to try, fastest first: every layer resident (no swap traffic), then as many resident layers as
     fit; at each, activations and gradients on the GPU before offloaded (a switch given is not searched)."""
     acts = [False, True] if activation_offload is None else [activation_offload]
@@ -100,7 +109,7 @@ def _candidates(layers: int, layer_swap, activation_offload, offload_gradients, 
         for act in acts:
             for og in grads:
                 yield dict(offload_gradients=og, activation_offload=act, resident=resident)
-        if resident < layers and any(t.gpu_peak_gib * GiB <= gpu_usable for t in tried):
+        if resident < layers and any(gpu_fits):
             return  # fewer resident layers only need more host RAM
 
 
@@ -190,7 +199,10 @@ def _notes(p: Plan, e: dict, shape: ModelShape, weight_bytes: int) -> list[str]:
     return notes
 
 
-AUTO_SWAP_START_MARGIN_GIB = 0.5  # see `plan`: layer_swap auto's first count, before the fit measures it
+# see `plan`: layer_swap auto's first count leaves this free, before the fit measures it (the 8B working set was
+# predicted 2 GiB under at 64k tokens without tiles: OOM)
+AUTO_SWAP_START_MARGIN_GIB = 0.5
+AUTO_SWAP_START_WORKING_SHARE = 0.25
 DEVICE_STATE_MARGIN_GIB = 0.25  # of the GPU budget left free when "auto" keeps the embedding's states on the GPU
 # ... and when it keeps more (the next tensors' states): the larger of these, since the planner's GPU peak was measured
 # up to 3.3% under (8B at 1 x 8192 on 24 GiB) on plans without activation offload
@@ -220,7 +232,8 @@ def _predicted(e: dict) -> dict:
 def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine, wb: int = 2) -> str:
     best = min(tried, key=lambda p: p.gpu_peak_gib)
     same_switches = functools.partial(estimate, offload_gradients=best.offload_gradients,
-                                      activation_offload=best.activation_offload, resident=best.resident_layers)
+                                      activation_offload=best.activation_offload, resident=best.resident_layers,
+                                      tiled=best.tiled_mlp)
     msgs = []
     if best.gpu_peak_gib * GiB > gpu_usable:
         fixed = same_switches(batch=1, seq=8)
@@ -228,7 +241,7 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
                     f"{gpu_usable / GiB:.1f} GiB for PyTorch.")
         swap_helps = best.resident_layers == best.layers and estimate(
             batch=batch, seq=seq, offload_gradients=best.offload_gradients,
-            activation_offload=best.activation_offload, resident=0)["reserved"] <= gpu_usable
+            activation_offload=best.activation_offload, resident=0, tiled=best.tiled_mlp)["reserved"] <= gpu_usable
         if swap_helps:
             msgs.append("Swapping decoder layers through pinned CPU memory fits: layer_swap: auto "
                         "(the planner keeps as many layers on the GPU as fit).")

@@ -163,6 +163,14 @@ class OffloadFields:
                           "GPU memory; needs activation_checkpointing). Unset: the planner decides, for "
                           "gpu_memory_limit_gb or else the GPU's own memory; without a GPU, off."},
     )
+    tiled_mlp: bool | None = field(
+        default=None,
+        metadata={"help": f"Run each decoder layer's MLP over the sequence in tiles of {S.MLP_TILE_TOKENS} tokens, "
+                          f"each recomputed in backward: its intermediate activations exist for one tile at a time "
+                          f"(an 8B layer at 64k tokens: ~7 GiB less), for one more MLP forward per backward. Needs "
+                          f"activation_checkpointing. Unset: the planner turns it on only where no plan fits "
+                          f"without it (long sequences); without a plan, off."},
+    )
     offload_chunk_numel: int = field(
         default=S.CHUNK_NUMEL,
         metadata={"help": "Elements per streamed chunk of optimizer state (a multiple of the 8-bit block size). "

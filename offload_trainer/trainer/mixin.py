@@ -114,6 +114,7 @@ class OffloadMixin:
     def _train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         run = self._run
         wiring.make_plan(self, run)
+        wiring.install_tiled_mlp(self, run)
         resume_from_checkpoint = staging.resolve_resume(self, resume_from_checkpoint)
         staging.check_disk(self, run)
         if run.swap is not None:  # a checkpoint loaded by train() must land in the host copies

@@ -15,7 +15,8 @@ from .seams import claim_device_map
 from ..engine.fit import CudaProbe, ResidencyFit
 from ..engine.layers import decoder_layers
 from ..engine.swap import LayerSwap
-from ..settings import LAYER_SWAP_FIT_STEPS
+from ..engine.tiled_mlp import tile_mlps
+from ..settings import LAYER_SWAP_FIT_STEPS, MLP_TILE_TOKENS
 from ..sysinfo import gpu_budget_gib, host_memory_gib
 
 logger = logging.getLogger("offload_trainer")
@@ -143,6 +144,16 @@ def install_layer_swap(trainer, run: RunState) -> None:
                 "%.2f GiB of GPU slots, prefetch %d", stats["resident_layers"], len(layers), device,
                 stats["swapped_layers"], stats["host_bytes"] / 2**30, stats["gpu_slot_bytes"] / 2**30,
                 swap.prefetch)
+
+
+def install_tiled_mlp(trainer, run: RunState) -> None:
+    """`tiled_mlp` as given, or as the plan decided: each decoder layer's MLP run in tiles (said once)."""
+    if not run.decided("tiled_mlp") or not run.first_time("tiled mlp"):
+        return
+    layers = decoder_layers(base_model(trainer.model))
+    n = tile_mlps(layers, MLP_TILE_TOKENS) if layers is not None else 0
+    logger.info("tiled MLP: %d MLPs run in tiles of %d tokens, each recomputed in backward (their intermediate "
+                "activations exist for one tile at a time)", n, MLP_TILE_TOKENS)
 
 
 def gpu_limit_bytes(settings) -> int | None:

@@ -315,11 +315,13 @@ def test_qlora_70b_prediction_matches_the_h200_run():
 def test_layer_swap_keeps_as_many_layers_as_fit():
     cfg = architecture_config("qwen2.5-14b")
     p = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0, layer_swap=None)
-    # auto starts half a GiB under the budget (its first steps measure the peak and move layers on where it leaves room)
-    assert 0 < p.resident_layers < 48 and p.gpu_peak_gib <= 24 - 0.7 - 0.5
+    # auto starts under the budget by half a GiB and a quarter of the step's working set (its first steps measure the
+    # peak and move layers on where it leaves room)
+    line = 24 - 0.7 - 0.5 - 0.25 * p.breakdown["largest transient"]
+    assert 0 < p.resident_layers < 48 and p.gpu_peak_gib <= line
     more = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=None, max_grad_norm=0, layer_swap=p.resident_layers + 1,
                 activation_offload=p.activation_offload)
-    assert more.gpu_peak_gib > 24 - 0.7 - 0.5  # one more resident layer would pass it: the planner took the most
+    assert more.gpu_peak_gib > line  # one more resident layer would pass it: the planner took the most
     layer_bytes = 2 * ModelShape.from_config(cfg).layer_params  # 0.59 GB of bf16 per Qwen2.5-14B layer
     swapped = 48 - p.resident_layers
     assert p.breakdown["swap slots"] == pytest.approx(3 * layer_bytes / GiB)  # prefetch 1 + 2 slots
