@@ -173,3 +173,45 @@ def test_random_init_layerwise_builds_what_from_config_builds(name, device, capl
     if name == "tiny-llama":  # it runs (every layer brought to one device)
         model.to(device)
         assert torch.isfinite(model(input_ids=batch.to(device)).logits).all()
+
+
+def test_vision_layers_transformers_does_not_checkpoint_are_checkpointed_when_they_train():
+    """Mllama's vision encoder layers are plain modules, which `gradient_checkpointing_enable` leaves alone: wrapped,
+    a trained tower keeps only each layer's input for backward (saved-tensor bytes counted), with the same
+    gradients."""
+    from offload_trainer.models import random_init_layerwise
+    from offload_trainer.trainer.seams import checkpoint_plain_stacks
+
+    cfg = architecture_config("llama3.2-11b-vision", {
+        "text_config": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "cross_attention_layers": [1]},
+        "vision_config": {"hidden_size": 32, "intermediate_size": 128, "num_hidden_layers": 4, "num_global_layers": 2,
+                          "attention_heads": 2, "image_size": 56, "patch_size": 14, "vision_output_dim": 64,
+                          "intermediate_layers_indices": [0]}})
+    torch.manual_seed(0)
+    model = random_init_layerwise(cfg, "cpu", park=None, dtype=torch.float32)
+    tower = model.model.vision_model
+    pixels = torch.randn(1, 1, 4, 3, 56, 56)
+    inputs = dict(pixel_values=pixels, aspect_ratio_ids=torch.tensor([[6]]), aspect_ratio_mask=torch.ones(1, 1, 4))
+
+    def run():
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        tower.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = tower(**inputs).last_hidden_state
+        out.float().pow(2).mean().backward()
+        return sum(saved), {n: p.grad.clone() for n, p in tower.named_parameters() if p.grad is not None}
+
+    plain_bytes, plain_grads = run()
+    assert checkpoint_plain_stacks(model) == 6  # 4 local + 2 global vision layers; the decoder's are transformers'
+    assert checkpoint_plain_stacks(model) == 0
+    ckpt_bytes, ckpt_grads = run()
+    assert ckpt_bytes < plain_bytes / 3, (ckpt_bytes, plain_bytes)
+    assert plain_grads.keys() == ckpt_grads.keys() and len(plain_grads) > 10
+    for n in plain_grads:
+        torch.testing.assert_close(ckpt_grads[n], plain_grads[n], msg=n)

@@ -81,6 +81,9 @@ def _gpu_held(x) -> None:
     x.adapters = 16 * x.lora  # LoRA: fp32 weights, gradients and two AdamW moments, all on the GPU
     x.ckpt_per_layer = x.T * s.hidden * wb
     x.checkpoints = (2 if x.act else s.layers) * x.ckpt_per_layer  # offloaded: the one in use + one prefetched
+    if s.vision_layers and not x.lora:  # a trained vision tower: each encoder layer's input (checkpointed,
+        # trainer/seams.py), and the image states every cross-attention layer reads, live until the tower's backward
+        x.checkpoints += x.batch * s.cross_tokens * (s.vision_layers * s.vision_hidden + s.hidden) * wb
 
 
 def _gpu_phase(x) -> None:
@@ -93,7 +96,10 @@ def _gpu_phase(x) -> None:
     # one layer's recompute activations and their grads; tiled, the MLP's intermediates are one tile's, and the MLP's
     # weight gradients are summed over the tiles in float32
     x.mlp_T = min(T, x.batch * MLP_TILE_TOKENS) if x.tiled else T
-    layer_ws = (10 * T * h + 6 * x.mlp_T * inter) * wb + (4 * 3 * h * inter if x.tiled and not x.lora else 0)
+    # (tiled: the MLP's input, output, their gradients and the tiles' input gradient are whole-sequence tensors too,
+    # 5 more: measured 8B at 64k tokens, 2.6 GiB over the untiled count)
+    layer_ws = ((15 if x.tiled else 10) * T * h + 6 * x.mlp_T * inter) * wb + (
+        4 * 3 * h * inter if x.tiled and not x.lora else 0)
     if x.weight_bits == 4:
         layer_ws += 2 * h * inter  # the largest weight, dequantized for its matmul
     if s.cross_layers:
@@ -140,7 +146,7 @@ def _gradients_kept(x) -> None:
 
 def _host(x) -> None:
     """Pinned host memory: the streamed states, host gradients, offloaded activations and swapped layers (per node);
-    the host peak adds each process's base RSS and a save's shard."""
+    the host peak adds each process's base RSS and a save's shard, or is the layers' load, where that is higher."""
     x.states = x.all_states - x.device_states if not x.lora else 0  # this process's, streamed
     x.host_grads = x.wb * x.params / x.ranks - x.device_grads if x.og and not x.lora else 0
     # speculative clipping: a second bank of states, and the weights' backups in the spare buffer (host gradients')
@@ -149,6 +155,9 @@ def _host(x) -> None:
     spare = max(x.host_grads, x.backups)
     x.pinned = x.node_ranks * (x.states * (2 if x.spec else 1) + spare + x.host_acts + x.swapped * x.layer_bytes)
     x.host = x.node_ranks * x.m.host_base_gib * GiB + x.pinned + x.save_shard  # (one process saves)
+    if x.swapped:  # with layer swap every decoder layer is first made (or loaded) in CPU memory, one by one, and only
+        # then pinned or moved to the GPU: a QLoRA run peaks there (70B: all 80 NF4 layers, 34.8 GiB measured)
+        x.host = max(x.host, x.node_ranks * (x.m.host_base_gib * GiB + x.shape.layers * x.layer_bytes))
 
 
 def _traffic(x) -> None:

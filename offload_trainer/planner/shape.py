@@ -57,6 +57,8 @@ class ModelShape:
     vision_other: int = 0  # its embeddings, norms and biases, and the projector into the language model
     cross_layers: int = 0  # decoder layers that cross-attend to the image's tokens (Mllama)
     cross_tokens: int = 0  # image tokens each sequence's cross-attention reads
+    vision_hidden: int = 0  # the vision encoder's width and layers (their checkpoints, when the tower trains)
+    vision_layers: int = 0
     head_dim: int = 0  # (0: hidden / heads)
     qk_norm: bool = False  # per-head RMSNorm of queries and keys (Qwen3; Mllama's cross-attention layers)
     extra_embeddings: int = 0  # rows of the input embedding beyond the vocabulary (Mllama's image tokens)
@@ -175,4 +177,5 @@ def _mllama_vision(vc, text_hidden: int) -> dict:
              + 2 * (ratio_ids * tiles * h + 1) + 4 * h  # pre/post tile embeddings (gated), pre/post LayerNorms
              + vc.vision_output_dim * text_hidden + text_hidden)  # projector into the language model
     padded = -(-patches // 8) * 8  # Mllama pads each tile's patches to a multiple of 8
-    return dict(vision_linear=n_layers * (4 * h * h + 2 * h * inter), vision_other=other, cross_tokens=tiles * padded)
+    return dict(vision_linear=n_layers * (4 * h * h + 2 * h * inter), vision_other=other, cross_tokens=tiles * padded,
+                vision_hidden=h, vision_layers=n_layers)

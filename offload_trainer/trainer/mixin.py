@@ -115,6 +115,9 @@ class OffloadMixin:
         run = self._run
         wiring.make_plan(self, run)
         wiring.install_tiled_mlp(self, run)
+        if run.settings.checkpointing and run.first_time("plain stacks") and seams.checkpoint_plain_stacks(
+                self.accelerator.unwrap_model(self.model)):
+            logger.info("activation checkpointing: also the layers transformers does not checkpoint (a vision encoder's)")
         resume_from_checkpoint = staging.resolve_resume(self, resume_from_checkpoint)
         staging.check_disk(self, run)
         if run.swap is not None:  # a checkpoint loaded by train() must land in the host copies
@@ -138,8 +141,12 @@ class OffloadMixin:
         return result
 
     def _on_step_begin(self) -> None:
-        if self._run.fit is not None:
-            self._run.fit.start_step()
+        run = self._run
+        if run.fit is not None:
+            run.fit.start_step()
+        if run.optimizer is not None and run.optimizer.device.type == "cuda" and run.first_time("first step"):
+            logger.info("first step: also compiles the update kernels and makes the pinned buffers (once: tens of "
+                        "seconds for a large model; later steps are timed in the logs)")
 
     def _on_step_end(self, state, control) -> None:
         run = self._run

@@ -3,7 +3,8 @@ reason. The Trainer's private names used here and in the mixin: `_tr_loss` and `
 device loss filter), `_save_checkpoint`, `_get_output_dir`, `_save_optimizer_and_scheduler`,
 `_load_optimizer_and_scheduler` (checkpoint staging, staging.py), `_clip_grad_norm` / `_get_grad_norm` (clipping by
 the streamed optimizer); accelerate's `prepare_model` / `prepare_optimizer` (patched on this Trainer's accelerator
-only, while train() runs) and `ACCELERATE_BYPASS_DEVICE_MAP`; a model's `hf_device_map` (swapped layers)."""
+only, while train() runs) and `ACCELERATE_BYPASS_DEVICE_MAP`; a model's `hf_device_map` (swapped layers); the
+forward of layers transformers leaves out of gradient checkpointing (`checkpoint_plain_stacks`)."""
 from __future__ import annotations
 
 import contextlib
@@ -146,3 +147,33 @@ def claim_device_map(model, layers, device, swapped_indices) -> None:
     engine places the swapped layers itself)."""
     prefix = next(n for n, m in model.named_modules() if m is layers)
     model.hf_device_map = {"": str(device), **{f"{prefix}.{i}": "cpu" for i in swapped_indices}}
+
+
+def checkpoint_plain_stacks(model) -> int:
+    """Gradient checkpointing for the stacks of layers that transformers' `gradient_checkpointing_enable` leaves out:
+    it checkpoints `GradientCheckpointingLayer`s only, and some models' other stacks are plain modules -- Mllama's 40
+    vision encoder layers, whose activations a full finetune kept for backward (2 images x 4 tiles: about 0.6 GiB per
+    layer, counted on the CPU at that shape; an 11B-Vision run ran out of a 24 GB card at its first step). Each such layer's forward runs under non-reentrant
+    checkpointing while autograd records and one of its parameters trains (a frozen tower runs without autograd
+    anyway). Returns how many layers were wrapped."""
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from ..engine.layers import layer_stacks
+
+    wrapped = 0
+    for stack in layer_stacks(model):
+        for layer in stack:
+            if isinstance(layer, GradientCheckpointingLayer) or getattr(layer, "_checkpointed_forward", False):
+                continue
+            plain, params = layer.forward, tuple(layer.parameters())
+
+            def forward(*args, plain=plain, params=params, **kwargs):
+                if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+                    return checkpoint(plain, *args, use_reentrant=False, **kwargs)
+                return plain(*args, **kwargs)
+
+            layer.forward = forward  # (an instance attribute: the module's hooks still run around it)
+            layer._checkpointed_forward = True
+            wrapped += 1
+    return wrapped

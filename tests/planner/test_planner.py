@@ -493,3 +493,19 @@ def test_exact_clipping_where_speculation_cannot_help(kw, why):
     kw = {"batch": 4, "seq": 2048, "gpu_memory_limit_gb": 24, "max_grad_norm": 1.0, "device_states": "auto", **kw}
     p = plan(architecture_config(kw.pop("cfg", "llama3-8b")), **kw)
     assert not p.speculative_clipping and any(why in n for n in p.notes)
+
+
+def test_predictions_are_within_the_bound_of_the_measured_peaks():
+    """Every case of bench/planner_check.py (a measured row of bench/results and the resident layers it ran with):
+    the planner's GPU peak (reserved) and host peak within 5% or 0.5 GiB of the measurement."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    import planner_check
+
+    cases = planner_check.table()
+    assert len(cases) == len(planner_check.CASES) >= 9
+    bad = [(c["label"], round(c["pred"]["gpu"], 2), c["row"]["peak_reserved_gib"], round(c["pred"]["host"], 2),
+            c["row"]["host_peak_gib"]) for c in cases if not (c["gpu_ok"] and c["host_ok"])]
+    assert not bad, bad
