@@ -277,7 +277,7 @@ def test_same_size_damage_in_a_checkpoint(trained, tmp_path, capsys):
 def test_resume_changes_a_hyperparameter(trained, tmp_path, capsys):
     """A resume whose arguments differ from the checkpoint's: refused where the saved optimizer / scheduler state
     would silently win (learning_rate), naming the value to set; said where the change applies (max_steps raised,
-    gradient accumulation); refused below the checkpoint's step."""
+    gradient accumulation, the rows' length); refused below the checkpoint's step."""
     case = copy_run(trained, tmp_path)
     expect(case, capsys, 2, "with learning_rate 0.001 -> 0.002, which would not take effect",
            "Set learning_rate: 0.001 to continue the run",
@@ -285,10 +285,12 @@ def test_resume_changes_a_hyperparameter(trained, tmp_path, capsys):
     (case.out / "trainer_state.json").unlink()  # (a run stopped after checkpoint-2; a finished one has nothing to do)
     expect(case, capsys, 2, "max_steps=1 is below the step of", "Set max_steps to more than 2",
            argv=[f"resume_from_checkpoint={case.out / 'checkpoint-2'}", "max_steps=1"])
-    rc, err = case.run(capsys, "resume_from_checkpoint=true", "max_steps=3", "gradient_accumulation_steps=2")
+    rc, err = case.run(capsys, "resume_from_checkpoint=true", "max_steps=3", "gradient_accumulation_steps=2",
+                       "max_seq_length=48")
     assert rc == 0, err
     assert "resume changes max_steps 2 -> 3: the learning-rate schedule is recomputed" in err
     assert "resume changes gradient_accumulation_steps 1 -> 2: each optimizer step takes another number" in err
+    assert "resume changes max_seq_length 64 -> 48: rows hold another number of tokens" in err
 
 
 def test_yaml_1_1_numbers(tmp_path, capsys):

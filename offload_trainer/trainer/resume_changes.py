@@ -38,6 +38,8 @@ APPLIED = {
                   "steps: the run continues at another place in the data",
     "max_grad_norm": "clipping uses the new value from the next step",
     "seed": "the data order follows the new seed, the random state the checkpoint's",
+    "max_seq_length": "rows hold another number of tokens from the resumed step on (packed rows are packed anew), and "
+                      "the data already seen is skipped by steps: the run continues at another place in the data",
 }
 
 
@@ -45,16 +47,20 @@ def _plain(value):
     return getattr(value, "value", value)  # (enums: their text)
 
 
-def hyperparameters(args) -> dict:
-    return {key: _plain(getattr(args, key, None)) for key in (*IGNORED, *APPLIED)}
+def hyperparameters(args, longest_row: int | None = None) -> dict:
+    """The arguments' values of the recorded keys; `max_seq_length` is the longest row the training data gives (the
+    data's own argument, which the Trainer's arguments do not hold)."""
+    values = {key: _plain(getattr(args, key, None)) for key in (*IGNORED, *APPLIED)}
+    values["max_seq_length"] = longest_row
+    return values
 
 
-def record(checkpoint_dir: str, args) -> None:
+def record(checkpoint_dir: str, args, longest_row: int | None = None) -> None:
     with open(os.path.join(checkpoint_dir, RECORD), "w") as f:
-        json.dump(hyperparameters(args), f, indent=1)
+        json.dump(hyperparameters(args, longest_row), f, indent=1)
 
 
-def check(checkpoint: str, args, step: int | None) -> None:
+def check(checkpoint: str, args, step: int | None, longest_row: int | None = None) -> None:
     """Log what each changed hyperparameter does on this resume; CheckpointError where it could not take effect
     (`step`: the checkpoint's global step, for max_steps below it)."""
     path = os.path.join(checkpoint, RECORD)
@@ -62,14 +68,14 @@ def check(checkpoint: str, args, step: int | None) -> None:
         return
     with open(path) as f:
         saved = json.load(f)
-    now = hyperparameters(args)
+    now = hyperparameters(args, longest_row)
     if step is not None and isinstance(now["max_steps"], int) and 0 < now["max_steps"] < step:
         raise CheckpointError(f"max_steps={now['max_steps']} is below the step of {checkpoint} ({step}): a resume "
                               f"would train past it. Set max_steps to more than {step}, or resume from an earlier "
                               f"checkpoint.")
     for key, new in now.items():
         old = saved.get(key, new)
-        if old == new:
+        if old == new or old is None or new is None:  # (None: not known on one side)
             continue
         if key in IGNORED:
             raise CheckpointError(f"resuming {checkpoint} with {key} {old} -> {new}, which would not take effect: "

@@ -19,6 +19,7 @@ from .checkpoint import (check_checkpoint, clean_staging, load_optimizer_states,
 from . import resume_changes
 from .outputs import STAGING_PREFIX, check_space, disk_full, free_bytes, publish
 from .run_state import RunState
+from .wiring import longest_row
 
 logger = logging.getLogger("offload_trainer")
 
@@ -52,7 +53,7 @@ def _check_changes(trainer, checkpoint: str) -> None:
             step = int(json.load(f)["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
         step = None
-    resume_changes.check(checkpoint, trainer.args, step)
+    resume_changes.check(checkpoint, trainer.args, step, longest_row(trainer))
 
 
 def check_disk(trainer, run: RunState) -> None:
@@ -82,7 +83,7 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
         save(model, trial)
         trainer.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is written
         if main:
-            resume_changes.record(os.path.join(staging, name), trainer.args)
+            resume_changes.record(os.path.join(staging, name), trainer.args, longest_row(trainer))
             write_checksums(os.path.join(staging, name))
             publish(os.path.join(staging, name), os.path.join(run_dir, name))
         trainer.accelerator.wait_for_everyone()
