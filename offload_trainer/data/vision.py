@@ -73,6 +73,9 @@ class ImageTextRecords(torch.utils.data.Dataset):
                             f"{len(images)} image(s) in images: give one image per {{\"type\": \"image\"}} part")
         for path in images:
             if not isinstance(path, str):
+                if not hasattr(path, "convert"):  # (a datasets Image column gives PIL images)
+                    raise DataError(f"{self.where} row {i + 1}: image {path!r} ({type(path).__name__}) is neither a "
+                                    f"path nor an image: give each image as a path relative to the data file")
                 continue
             if not os.path.isfile(self.path(path)):
                 raise DataError(f"{self.where} row {i + 1}: image {path!r} does not exist (paths are relative to the "

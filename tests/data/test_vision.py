@@ -150,12 +150,15 @@ def test_a_frozen_vision_tower_records_no_graph_and_the_adapters_the_same_gradie
     ("image-missing", "row 2: image 'nowhere.png' does not exist"),
     ("image-unreadable", "row 2: image 'broken.png' cannot be read as an image"),
     ("image-part-without-image", "row 2: 1 image part(s) in messages but 0 image(s) in images"),
+    ("image-as-a-number", "row 2: image 7 (int) is neither a path nor an image"),
 ])
 def test_bad_image_records_name_the_row(case, needle, tmp_path, capsys, no_model_load):
     data = write_data(tmp_path, 3)
     recs = [json.loads(line) for line in data.read_text().splitlines()]
     if case == "image-missing":
         recs[1]["images"] = ["nowhere.png"]
+    elif case == "image-as-a-number":
+        recs[1]["images"] = [7]
     elif case == "image-unreadable":
         (tmp_path / "broken.png").write_text("not an image")
         recs[1]["images"] = ["broken.png"]
