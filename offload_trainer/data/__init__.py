@@ -160,8 +160,35 @@ def _map(ds, fn, *, fingerprint: str, desc: str, num_proc, **kw):
 
     cache = os.path.join(datasets.config.HF_DATASETS_CACHE, "offload_trainer")
     os.makedirs(cache, exist_ok=True)
-    return ds.map(fn, batched=True, num_proc=num_proc, new_fingerprint=fingerprint, desc=desc,
-                  cache_file_name=os.path.join(cache, f"{fingerprint}.arrow"), **kw)
+    before = set(os.listdir(cache))
+    try:
+        return ds.map(fn, batched=True, num_proc=num_proc, new_fingerprint=fingerprint, desc=desc,
+                      cache_file_name=os.path.join(cache, f"{fingerprint}.arrow"), **kw)
+    except BaseException as e:
+        # A Ctrl-C or SIGTERM with num_proc > 1 terminates the pool's workers before they remove the temporary files
+        # they were writing (datasets cleans them up only where the interrupt reaches the worker's own code): the
+        # ones this map made go, the finished shards stay for the next run to reuse.
+        for name in set(os.listdir(cache)) - before:
+            if name.startswith("tmp"):
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(cache, name))
+        interrupt = _interrupt_behind(e)
+        if interrupt is not None and interrupt is not e:
+            # (datasets' pool, stopping its workers, raises a TimeoutError on top of the interrupt: the interrupt is
+            # what happened, and what the command turns into its sentence)
+            raise interrupt from None
+        raise
+
+
+def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt (a Ctrl-C, or SIGTERM as the command raises it) that `e` is, or was raised while handling."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _prepare(raw, data_args, tok, spec: Tokenize, vocab_size: int, where: str):

@@ -295,3 +295,45 @@ def test_builtin_corpora(tok):
     sft, _ = build_datasets(DataArguments(dataset_path="builtin-sft", max_seq_length=64), tok, vocab_size=512)
     labels = sft[0]["labels"]
     assert (labels == IGNORE_INDEX).any() and (labels != IGNORE_INDEX).any()  # loss on completions only
+
+
+def test_an_interrupt_while_tokenizing_in_parallel_leaves_no_temporary_files(tok, tmp_path, monkeypatch):
+    """Ctrl-C while 2 processes tokenize: the pool's workers are terminated mid-write; the temporary files they were
+    writing in the cache are removed (the interrupt itself goes on up, for the command's sentence)."""
+    import signal
+    import threading
+    import time
+
+    import datasets
+
+    import offload_trainer.data as data_mod
+
+    started = tmp_path / "started"
+    real = data_mod.tokenize_batch
+    calls = [0]  # (per process: each worker has its own copy)
+
+    def slow(*a, **k):
+        calls[0] += 1
+        if calls[0] > 1:  # a worker has written its first batch: its temporary file is open
+            started.touch()
+            time.sleep(30)
+        return real(*a, **k)
+
+    def interrupt_once_started():
+        for _ in range(600):
+            if started.exists():
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    monkeypatch.setattr(data_mod, "tokenize_batch", slow)
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"{i} {tmp_path}"} for i in range(4000)])  # (never cached)
+    cache = os.path.join(datasets.config.HF_DATASETS_CACHE, "offload_trainer")
+    os.makedirs(cache, exist_ok=True)
+    before = set(os.listdir(cache))
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        build(tok, path, dataset_num_proc=2)
+    assert started.exists()
+    assert [n for n in set(os.listdir(cache)) - before if n.startswith("tmp")] == []
