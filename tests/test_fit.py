@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from offload_trainer.engine.fit import GiB, ResidencyFit, StepMemory, fitted, margin_bytes
-from test_swap import DEVICES, install, optimizers, setup
+from test_swap import DEVICES, install, optimizers, setup, train_both_and_compare
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -17,9 +17,9 @@ def test_changing_resident_layers_between_steps_trains_as_the_unswapped_model(de
     swap = install(model, device, resident=2, prefetch=1)
     ref_opt, opt = optimizers(ref, model, swap, lr=1e-2, update_in_backward=not clip, offload_gradients=clip,
                               chunk_numel=4096, inflight_chunks=2, bf16_stochastic_round=False)
-    losses = {id(ref): [], id(model): []}
     plan = {2: 5, 4: 1, 5: 0, 6: 6, 7: 3}  # before step k: resident layers
-    for k, batch in enumerate(batches):
+
+    def move(k):
         if k in plan:
             opt.synchronize()  # (no queued update may touch a layer while it moves)
             swapped = swap.set_resident(plan[k])
@@ -27,21 +27,8 @@ def test_changing_resident_layers_between_steps_trains_as_the_unswapped_model(de
             for i, layer in enumerate(model.model.layers):
                 where = layer.mlp.up_proj.weight.device.type
                 assert where == ("cpu" if i in swapped else device) or device == "cpu"
-        for m, o in ((ref, ref_opt), (model, opt)):
-            loss = m(**batch).loss
-            loss.backward()
-            if clip:
-                o.clip_grad_norm_(0.5)
-            o.step()
-            o.zero_grad()
-            losses[id(m)].append(loss.item())
-    ref_opt.synchronize()
-    opt.synchronize()
-    swap.synchronize()
-    assert losses[id(ref)] == losses[id(model)]
-    assert losses[id(ref)][-1] < losses[id(ref)][0]
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
-        assert torch.equal(a, b.to(device)), name
+
+    train_both_and_compare(ref, model, ref_opt, opt, swap, batches, clip, device, before_step=move)
 
 
 def test_set_resident_moves_as_few_layers_as_it_can():

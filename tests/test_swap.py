@@ -98,8 +98,17 @@ def test_full_finetune_with_streamed_optimizer_matches_unswapped(device, clip):
     swap = install(model, device, resident=2, prefetch=0)  # 2 slots for 4 swapped layers: evictions every pass
     ref_opt, opt = optimizers(ref, model, swap, lr=1e-2, update_in_backward=not clip, offload_gradients=clip,
                               chunk_numel=4096, inflight_chunks=2, bf16_stochastic_round=False)
+    train_both_and_compare(ref, model, ref_opt, opt, swap, batches, clip, device)
+    assert swap.stats["d2h_bytes"] > 0  # changed layers were copied back
+
+
+def train_both_and_compare(ref, model, ref_opt, opt, swap, batches, clip, device, before_step=None):
+    """Train the reference and the swapped model on `batches` (clipping at 0.5 with `clip`; `before_step(k)` first
+    at each step): the same losses, falling, and the same weights at the end, bit for bit."""
     losses = {id(ref): [], id(model): []}
-    for batch in batches:
+    for k, batch in enumerate(batches):
+        if before_step is not None:
+            before_step(k)
         for m, o in ((ref, ref_opt), (model, opt)):
             loss = m(**batch).loss
             loss.backward()
@@ -113,7 +122,6 @@ def test_full_finetune_with_streamed_optimizer_matches_unswapped(device, clip):
     swap.synchronize()
     assert losses[id(ref)] == losses[id(model)]
     assert losses[id(ref)][-1] < losses[id(ref)][0]
-    assert swap.stats["d2h_bytes"] > 0  # changed layers were copied back
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
         assert torch.equal(a, b.to(device)), name
 

@@ -302,13 +302,15 @@ def test_gpu_configs_fit_their_budget_per_the_planner(capsys, config, host_gb, e
 
 def test_qlora_70b_prediction_matches_the_h200_run():
     """Run 20261130-qloraC: 12 of 80 layers resident at 24 GiB measured 18.17 GiB reserved, 30.07 GiB host,
-    27.96 GiB pinned (the step time is calibrated on the uncapped run, so it is not checked here)."""
+    27.96 GiB pinned (the step time is calibrated on the uncapped run, so it is not checked here). That bare loop
+    built the base on the GPU; the command builds it layer by layer in CPU memory first, and its host peak is that
+    load: 34.78 GiB measured through the command (run s33c, bench/planner_check.py)."""
     cfg = architecture_config("llama3-70b")
     lora = ModelShape.from_config(cfg).lora_params(16)
     p = plan(cfg, batch=1, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0, layer_swap=12, lora_params=lora,
              weight_bits=4)
     assert p.gpu_peak_gib == pytest.approx(18.17, rel=0.10)
-    assert p.host_peak_gib == pytest.approx(30.07, rel=0.10)
+    assert p.host_peak_gib == pytest.approx(34.78, rel=0.05)
     assert p.pinned_gib == pytest.approx(27.96, rel=0.01)
 
 
