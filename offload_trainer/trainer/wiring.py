@@ -126,6 +126,8 @@ def install_layer_swap(trainer, run: RunState) -> None:
             for name, b in m._buffers.items():
                 if b is not None:
                     m._buffers[name] = b.to(device)
+    if resident < len(layers):  # (pinning several GiB takes seconds: said before it starts)
+        logger.info("layer swap: pinning %d of %d decoder layers in CPU memory", len(layers) - resident, len(layers))
     run.swap = swap = LayerSwap(layers, device, resident=resident, prefetch=run.settings.layer_swap_prefetch)
     if run.settings.world_size > 1 and not run.streaming:
         raise ConfigError("layer_swap with several processes needs offload_optimizer: true (the streamed optimizer "
