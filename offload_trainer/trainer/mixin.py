@@ -150,7 +150,7 @@ class OffloadMixin:
 
     def _on_step_end(self, state, control) -> None:
         run = self._run
-        if run.fit is not None:
+        if run.fit is not None and not run.fit.done:
             run.fit.end_step(before_move=run.synchronize)
             seams.claim_device_map(self.model, run.swap.stack, self.args.device, run.swap.swapped_indices)
         guards.on_step_end(run, state.global_step, control)
