@@ -287,6 +287,8 @@ def test_train_refuses_before_loading_weights(capsys, monkeypatch, tmp_path):
     ("qwen2.5-14b-full-24gb", 64, dict(activation_offload=True, lora_params=0)),
     ("llama3-70b-qlora-24gb", 48, dict(lora_params=207_093_760)),  # r=16 on all 7 linears x 80 layers
     ("llama3.2-11b-vision-full-24gb", 64, dict(activation_offload=True, lora_params=0)),
+    ("llama3.2-90b-vision-qlora-24gb", 64, {}),
+    ("llama3.1-8b-32k-24gb", 64, dict(activation_offload=True, tiled_mlp=False)),
 ])
 def test_gpu_configs_fit_their_budget_per_the_planner(capsys, config, host_gb, expect):
     argv = ["plan", f"configs/{config}.yaml", "--json"] + (["--host-gb", str(host_gb)] if host_gb else [])
