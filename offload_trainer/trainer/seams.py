@@ -161,10 +161,12 @@ def checkpoint_plain_stacks(model) -> int:
 
     from ..engine.layers import layer_stacks
 
+    inside = {id(m) for layer in model.modules() if isinstance(layer, GradientCheckpointingLayer)
+              for m in layer.modules()}  # (a stack within a checkpointed layer is recomputed with it)
     wrapped = 0
     for stack in layer_stacks(model):
         for layer in stack:
-            if isinstance(layer, GradientCheckpointingLayer) or getattr(layer, "_checkpointed_forward", False):
+            if id(layer) in inside or getattr(layer, "_checkpointed_forward", False):
                 continue
             plain, params = layer.forward, tuple(layer.parameters())
 
