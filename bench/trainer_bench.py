@@ -210,7 +210,7 @@ def main() -> None:
             row["predicted"] = predicted(run.plan)
         if run.swap is not None:  # layer swap: the plan's resident layers, those the fit moved to, and the plan's
             # prediction for the count the run ended with (the measured peaks are those of that count)
-            final = run.swap.n_layers - len(run.swap.swapped_indices)
+            final = run.swap.resident
             row["extra"]["resident_layers"] = {"planned": run.plan.resident_layers if run.plan else None, "final": final}
             row["extra"]["fit"] = said.lines
             if run.plan is not None and final != run.plan.resident_layers:

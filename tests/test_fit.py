@@ -56,7 +56,7 @@ class FakeProbe:
         pass
 
     def end(self):
-        resident = self.swap.n_layers - len(self.swap.swapped_indices)
+        resident = self.swap.resident
         live = self.base + resident * self.layer + (self.growth if len(self.peaks) else self.first_extra)
         reserved = live + self.cache
         retries = 0
@@ -73,7 +73,8 @@ def fit_run(resident, steps=6, tokens=None, fit_steps=3, **probe):
     swap = install(model, "cpu", resident=resident, prefetch=1)
     lines = []
     fake = FakeProbe(swap, **probe)
-    fit = ResidencyFit(swap, int(probe["layer"]), full_tokens=128, steps=fit_steps, probe=fake, say=lines.append)
+    fit = ResidencyFit(swap, full_tokens=128, layer_bytes=int(probe["layer"]), steps=fit_steps, probe=fake,
+                       say=lines.append)
     for k in range(steps):
         fit.start_step()
         fit.saw_batch(tokens[k] if tokens else 128)
@@ -155,7 +156,7 @@ def test_the_fit_through_the_trainer_trains_as_the_unswapped_model(tmp_path, max
         trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
         if swap != "off":
             s = trainer._run.swap
-            trainer._run.fit = ResidencyFit(s, GiB, full_tokens=4 * 32, probe=FakeProbe(
+            trainer._run.fit = ResidencyFit(s, full_tokens=4 * 32, layer_bytes=GiB, probe=FakeProbe(
                 s, base=10 * GiB, layer=GiB, available=14.5 * GiB), say=lines.append)
         trainer.train()
         return trainer

@@ -87,10 +87,13 @@ def fitted(resident: int, n_layers: int, layer_bytes: int, m: StepMemory) -> tup
 
 class ResidencyFit:
     """Fit `swap`'s resident layers over the first `steps` full-size optimizer steps (see the module docstring).
-    `full_tokens`: a micro-batch's tokens at the plan's batch and sequence length. `say(line)` gets each decision."""
+    `full_tokens`: a micro-batch's tokens at the plan's batch and sequence length. `layer_bytes`: what moving one
+    layer changes (default: the swap's largest layer). `say(line)` gets each decision."""
 
-    def __init__(self, swap, layer_bytes: int, full_tokens: int, *, steps: int = 3, probe=None, say=print):
-        self.swap, self.layer_bytes, self.full_tokens, self.steps = swap, layer_bytes, full_tokens, steps
+    def __init__(self, swap, full_tokens: int, *, layer_bytes: int | None = None, steps: int = 3, probe=None,
+                 say=print):
+        self.swap, self.full_tokens, self.steps = swap, full_tokens, steps
+        self.layer_bytes = swap.layer_bytes if layer_bytes is None else layer_bytes
         self.probe = probe if probe is not None else CudaProbe(swap.device)
         self.say = say
         self.measured = 0  # full-size steps measured so far
@@ -114,7 +117,7 @@ class ResidencyFit:
         """After the step: the resident count for the next one (moved there). `before_move()` runs first when layers
         move (e.g. the optimizer's `synchronize()`: no queued update may touch a layer while it moves)."""
         self._step += 1
-        resident = self.swap.n_layers - len(self.swap.swapped_indices)
+        resident = self.swap.resident
         if self.done:
             return resident
         m = self.probe.end()

@@ -114,6 +114,11 @@ class LayerSwap:
         return p in self._by_param
 
     @property
+    def resident(self) -> int:
+        """Decoder layers kept on the GPU."""
+        return self.n_layers - len(self._layers)
+
+    @property
     def layer_bytes(self) -> int:
         """The GPU memory of the largest layer when resident: what moving one layer on or off changes."""
         return max(sum(t.numel() * t.element_size() for t in (*m.parameters(), *m.buffers())) for m in self.stack)
@@ -365,4 +370,4 @@ class LayerSwap:
         host = sum(lay.nbytes for lay in self._layers.values())
         slots = sum(t.numel() * t.element_size() for pool in self._pools.values() for s in pool for t in s.tensors)
         return {"pinned_bytes": host if self._streams.is_cuda else 0, "host_bytes": host, "gpu_slot_bytes": slots,
-                "resident_layers": self.n_layers - len(self._layers), "swapped_layers": len(self._layers)}
+                "resident_layers": self.resident, "swapped_layers": len(self._layers)}

@@ -60,11 +60,10 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     # layer_swap auto starts with a margin below the budget: its first steps measure the peak and move layers onto
     # the GPU while it leaves room (engine/fit.py); a count predicted to just fit would be run before it is measured.
     # The margin grows with what the prediction is least sure of, the step's working set (long sequences)
-    def swap_usable(e=None) -> float:
+    def swap_usable(e) -> float:
         if layer_swap is not None:
             return gpu_usable
-        return gpu_usable - AUTO_SWAP_START_MARGIN_GIB * GiB - AUTO_SWAP_START_WORKING_SHARE * (e or {}).get(
-            "working", 0)
+        return gpu_usable - AUTO_SWAP_START_MARGIN_GIB * GiB - AUTO_SWAP_START_WORKING_SHARE * e["working"]
     tried, gpu_fits = [], []  # every plan tried; whether each fit the GPU
     tilings = [False, True] if tiled_mlp is None and seq > MLP_TILE_TOKENS else [bool(tiled_mlp)]
     for switches in (dict(s, tiled=tiled) for tiled in tilings for s in _candidates(

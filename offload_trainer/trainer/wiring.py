@@ -139,7 +139,7 @@ def install_layer_swap(trainer, run: RunState) -> None:
     claim_device_map(model, layers, device, swap.swapped_indices)
     if setting is None and device.type == "cuda" and run.settings.world_size == 1:
         # the planner's count is a prediction: the first full-size steps measure the peak and move layers to fit it
-        run.fit = ResidencyFit(swap, swap.layer_bytes, run.plan.batch * run.plan.seq, steps=LAYER_SWAP_FIT_STEPS,
+        run.fit = ResidencyFit(swap, run.plan.batch * run.plan.seq, steps=LAYER_SWAP_FIT_STEPS,
                                probe=CudaProbe(device, limit_bytes=gpu_limit_bytes(run.settings)), say=logger.info)
     stats = swap.memory_stats()
     logger.info("layer swap: %d of %d decoder layers on %s, %d in pinned CPU memory (%.2f GiB), "
