@@ -9,7 +9,6 @@ at the card's limit: its reserved peak is the limit, not the need, and its alloc
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -50,7 +49,7 @@ def predict(row: dict, resident) -> dict:
     """The plan of the row's command, at `resident` layers."""
     from offload_trainer.cli.config import load_config, parse_args
     from offload_trainer.models import architecture_config
-    from offload_trainer.planner import plan_for_run
+    from offload_trainer.planner import plan_at_resident, plan_for_run
     from offload_trainer.settings import OffloadSettings
 
     config, *overrides = row["extra"]["argv"].split()
@@ -62,10 +61,7 @@ def predict(row: dict, resident) -> dict:
     # the switches the run's plan decided (on the held card), then that plan at the resident count the run ended with
     p = plan_for_run(settings, cfg, seq, host_gb=HOST_GIB, gpu_gb=HELD_GIB, model_args=model_args)
     if resident is not None and resident != p.resident_layers:
-        settings = dataclasses.replace(settings, layer_swap=resident, activation_offload=p.activation_offload,
-                                       offload_gradients=p.offload_gradients, tiled_mlp=p.tiled_mlp,
-                                       speculative_clipping=p.speculative_clipping, device_states=p.device_state_gib)
-        p = plan_for_run(settings, cfg, seq, host_gb=HOST_GIB, model_args=model_args)
+        p = plan_at_resident(p, settings, cfg, seq, resident, model_args=model_args)
     return dict(gpu=p.gpu_peak_gib, host=p.host_peak_gib, resident=p.resident_layers, layers=p.layers)
 
 

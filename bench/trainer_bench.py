@@ -115,21 +115,6 @@ class FitLines(logging.Handler):
             self.lines.append(record.getMessage())
 
 
-def prediction_at(run, config, seq: int, resident: int, model_args) -> dict:
-    """The planner's prediction for the run's plan with `resident` layers on the GPU (its other switches as decided;
-    no GPU budget, so a count over it is predicted rather than refused)."""
-    from dataclasses import replace
-
-    from offload_trainer.planner import plan_for_run
-
-    p = run.plan
-    settings = replace(run.settings, gpu_memory_limit_gb=None, layer_swap=resident,
-                       activation_offload=p.activation_offload, offload_gradients=p.offload_gradients,
-                       speculative_clipping=p.speculative_clipping, device_states=p.device_state_gib)
-    out = predicted(plan_for_run(settings, config, seq, host_gb=p.host_budget_gib, model_args=model_args))
-    return {**out, "resident_layers": resident}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
@@ -214,8 +199,11 @@ def main() -> None:
             row["extra"]["resident_layers"] = {"planned": run.plan.resident_layers if run.plan else None, "final": final}
             row["extra"]["fit"] = said.lines
             if run.plan is not None and final != run.plan.resident_layers:
-                row["predicted"] = prediction_at(run, built[0].model.config, data_args.max_seq_length, final,
-                                                 model_args)
+                from offload_trainer.planner import plan_at_resident
+
+                row["predicted"] = {**predicted(plan_at_resident(run.plan, run.settings, built[0].model.config,
+                                                                 data_args.max_seq_length, final,
+                                                                 model_args=model_args)), "resident_layers": final}
     row["extra"]["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # (the command sets one if unset)
     if profiler is not None:  # (the profiled steps are among the timed ones: profiling slows them a little)
         row["extra"]["profile"] = profiler.summary

@@ -1,6 +1,7 @@
 """The planner for a run: its resolved settings (settings.py) and a model config."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from ..settings import OffloadSettings
@@ -63,3 +64,15 @@ def plan_for_run(settings: OffloadSettings, config, seq: int, *, host_gb: float 
 def dtype_bytes(dtype) -> int:
     """Bytes per value of a model dtype ('float32', torch.float32, None: bf16's 2)."""
     return 4 if str(dtype).replace("torch.", "") in ("float32", "float", "fp32") else 2
+
+
+def plan_at_resident(plan: Plan, settings: OffloadSettings, config, seq: int, resident: int, *,
+                     model_args=None) -> Plan:
+    """`plan` (made for `settings`) with `resident` decoder layers on the GPU, every other switch as it decided and
+    no GPU budget, so a count over it is predicted rather than refused: the prediction for a run that ended with
+    that count (layer_swap auto moves layers after measuring)."""
+    fixed = dataclasses.replace(settings, gpu_memory_limit_gb=None, layer_swap=resident,
+                                activation_offload=plan.activation_offload, offload_gradients=plan.offload_gradients,
+                                tiled_mlp=plan.tiled_mlp, speculative_clipping=plan.speculative_clipping,
+                                device_states=plan.device_state_gib)
+    return plan_for_run(fixed, config, seq, host_gb=plan.host_budget_gib, model_args=model_args)
