@@ -118,7 +118,7 @@ class OffloadMixin:
         if run.settings.checkpointing and run.first_time("plain stacks") and seams.checkpoint_plain_stacks(
                 self.accelerator.unwrap_model(self.model)):
             logger.info("activation checkpointing: also the layers transformers does not checkpoint (a vision encoder's)")
-        resume_from_checkpoint = staging.resolve_resume(self, resume_from_checkpoint)
+        resume_from_checkpoint = staging.resolve_resume(self, run, resume_from_checkpoint)
         staging.check_disk(self, run)
         if run.swap is not None:  # a checkpoint loaded by train() must land in the host copies
             run.swap.offload_all()

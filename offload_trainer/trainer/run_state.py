@@ -68,6 +68,7 @@ class RunState:
         self.staging_dir: str | None = None  # set while a checkpoint is written (staging.save_checkpoint)
         self.step_batches: list = []  # speculative clipping: this optimizer step's micro-batches, for a redo
         self.said: set[str] = set()  # one-time log lines already said
+        self.row_tokens: tuple | None = None  # (the training dataset, its longest row): wiring.row_tokens
 
     def first_time(self, line: str) -> bool:
         """True the first time it is asked for `line`: the log lines said once a run."""

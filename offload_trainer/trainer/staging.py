@@ -19,12 +19,12 @@ from .checkpoint import (check_checkpoint, clean_staging, load_optimizer_states,
 from . import resume_changes
 from .outputs import STAGING_PREFIX, check_space, disk_full, free_bytes, publish
 from .run_state import RunState
-from .wiring import longest_row
+from .wiring import row_tokens
 
 logger = logging.getLogger("offload_trainer")
 
 
-def resolve_resume(trainer, resume):
+def resolve_resume(trainer, run: RunState, resume):
     """True / 'true' -> the newest complete checkpoint in output_dir; a path -> checked before anything loads."""
     if isinstance(resume, str) and resume.strip().lower() in ("true", "latest", "false", "none", ""):
         resume = resume.strip().lower() in ("true", "latest")
@@ -38,22 +38,22 @@ def resolve_resume(trainer, resume):
                                   f"resume_from_checkpoint: true, but it holds no complete checkpoint-N "
                                   f"directory. Start without resume_from_checkpoint.")
         logger.info("resuming from %s", found)
-        _check_changes(trainer, found)
+        _check_changes(trainer, run, found)
         return found
     if resume:
         check_checkpoint(str(resume), trainer.model)
-        _check_changes(trainer, str(resume))
+        _check_changes(trainer, run, str(resume))
         return str(resume)
     return None
 
 
-def _check_changes(trainer, checkpoint: str) -> None:
+def _check_changes(trainer, run: RunState, checkpoint: str) -> None:
     try:
         with open(os.path.join(checkpoint, "trainer_state.json")) as f:
             step = int(json.load(f)["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
         step = None
-    resume_changes.check(checkpoint, trainer.args, step, longest_row(trainer))
+    resume_changes.check(checkpoint, trainer.args, step, row_tokens(trainer, run))
 
 
 def check_disk(trainer, run: RunState) -> None:
@@ -83,7 +83,7 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
         save(model, trial)
         trainer.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is written
         if main:
-            resume_changes.record(os.path.join(staging, name), trainer.args, longest_row(trainer))
+            resume_changes.record(os.path.join(staging, name), trainer.args, row_tokens(trainer, run))
             write_checksums(os.path.join(staging, name))
             publish(os.path.join(staging, name), os.path.join(run_dir, name))
         trainer.accelerator.wait_for_everyone()

@@ -33,7 +33,7 @@ def make_plan(trainer, run: RunState) -> None:
     lora = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad) if peft else 0
     bits = 4 if getattr(base_model(trainer.model), "is_loaded_in_4bit", False) else 16
     config = getattr(trainer.model, "config", None)
-    seq = longest_row(trainer)
+    seq = row_tokens(trainer, run)
     if config is None or not seq:
         return
     # no cap given: plan for the card (its free memory and what the model already holds), so the switches left
@@ -69,6 +69,15 @@ def reference_model_gib(trainer) -> float:
         return 0.0
     tensors = [*ref.parameters(), *ref.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors) / 2**30
+
+
+def row_tokens(trainer, run: RunState) -> int | None:
+    """`longest_row`, read once per training dataset: the plan, the resume check and every checkpoint's record of
+    the hyperparameters take it."""
+    ds = trainer.train_dataset
+    if run.row_tokens is None or run.row_tokens[0] is not ds:
+        run.row_tokens = (ds, longest_row(trainer))
+    return run.row_tokens[1]
 
 
 def longest_row(trainer) -> int | None:
