@@ -28,7 +28,20 @@ def train(config: str, overrides: list[str]) -> str:
     complete checkpoint, as one inside it does."""
     refuse_busy_output_dir(config, overrides)  # in a fraction of a second: before transformers is imported
     with _signals_say_where_the_run_stands(config, overrides):
-        return _train(config, overrides)
+        out = _train(config, overrides)
+    _leave_process_group()
+    return out
+
+
+def _leave_process_group() -> None:
+    """torchrun: every rank finished, so its process group is taken down here, while the interpreter is whole. Left
+    to exit, gloo's worker threads can be destroyed still joinable and the process aborts (SIGABRT, "terminate called
+    without an active exception", pytorch/pytorch#190489), failing a finished run. Not after a failure: a rank that
+    raised while others are in a collective would wait in it forever."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class _Terminated(KeyboardInterrupt):
