@@ -110,3 +110,34 @@ def test_trainer_bench_takes_logs_at_one_interval_only():
         logs = [{"step": s, "loss": 1.0, "tok_per_s": 10.0} for s in steps]
         with pytest.raises(ValueError, match="one interval"):
             trainer_bench.row_from_logs(logs, skip=1, tokens_per_step=8)
+
+
+def test_integrations_bench_rows_for_the_command_and_trl(tmp_path):
+    """bench/integrations.py end to end on a CPU for the two tools this environment has: the command and TRL's
+    OffloadSFTTrainer read the same chat records with the same template and seed, so each step trains the same tokens
+    (every row truncated to the step's length) and the losses are equal; the rows carry what the table compares."""
+    import os
+    import subprocess
+
+    bench = str(Path(__file__).resolve().parents[1] / "bench" / "integrations.py")
+    env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "OMP_NUM_THREADS": "2"}
+    base, work, out = tmp_path / "base", tmp_path / "work", tmp_path / "rows.jsonl"
+
+    def bench_cmd(*args):
+        r = subprocess.run([sys.executable, bench, *map(str, args)], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r.stdout
+
+    bench_cmd("base", base, "--model", "tiny-llama")
+    bench_cmd("prepare", base, work, "--seq", 48, "--batch", 2, "--steps", 3, "--cpu", "--model", "tiny-llama")
+    for tool in ("ours", "trl"):
+        bench_cmd("run", tool, work, "--out", out, "--skip", 1)
+    ours, trl = [json.loads(x) for x in out.read_text().splitlines()]
+    assert (ours["system"], trl["system"]) == ("offload_trainer", "trl+offload_trainer")
+    for r in (ours, trl):
+        assert r["error"] is None and r["tok_per_s"] > 0 and len(r["extra"]["losses"]) == 3
+        assert r["tokens_per_step"] == 96
+    assert trl["extra"]["losses"] == pytest.approx(ours["extra"]["losses"], rel=1e-4)
+    assert "largest difference to offload_trainer's over 3 steps" in bench_cmd("table", out)

@@ -1,0 +1,274 @@
+"""The integrations on a GPU, each tool with its own defaults: one checkpoint, one chat dataset and one batch shape
+through `offload-trainer train`, TRL's `OffloadSFTTrainer` (assistant_only_loss), axolotl with the plugin (what
+`axolotl train` runs) and LLaMA-Factory through our launcher. Each tool runs in this process, which only listens:
+every log the Trainer writes is kept (with the allocator's peak at that moment), and the row is made from them.
+
+    python bench/integrations.py base BASE_DIR --model llama3-8b     # random-init checkpoint + chat tokenizer
+    python bench/integrations.py prepare BASE_DIR WORK [--seq 2048 --batch 4 --steps 10]
+    python bench/integrations.py run TOOL WORK --out rows.jsonl      # TOOL: ours, trl, axolotl, llamafactory
+    python bench/integrations.py table rows.jsonl                    # each tool against `ours`
+
+The same settings everywhere, named in each tool's own keys: the step (batch x seq, every row truncated to seq, so
+every tool trains the same tokens per step), bf16 weights, gradient checkpointing, learning rate, seed, logging every
+step, no saves, our `offload_optimizer: true`. Left at each tool's default: max_grad_norm (1.0 in all four), the
+scheduler, warmup, its chat template handling (the tokenizer's template, which marks the assistant's turns, where the
+tool takes one; LLaMA-Factory brings its own templates: `empty` here), truncation. tok/s and memory come from our
+logs, which every tool gets through OffloadMixin (tok/s counts the tokens each step trained on).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+TOOLS = ("ours", "trl", "axolotl", "llamafactory")
+# the built-in tokenizer's template with the assistant's turns marked, as TRL's assistant_only_loss needs
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
+                 "{{ m['content'] }}<|endoftext|>{% endgeneration %}{% else %}{{ m['content'] }}<|endoftext|>{% endif %}"
+                 "\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def make_base(path: str, model: str) -> None:
+    """A random-init checkpoint of a registry shape (built on the GPU where there is one) and the built-in tokenizer
+    with a chat template that marks the assistant's turns."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from transformers import AutoTokenizer
+
+    from offload_trainer.data.sources import builtin_asset
+    from offload_trainer.models.registry import architecture_config
+
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    t0 = time.perf_counter()
+    with torch.device(device):
+        m = AutoModelForCausalLM.from_config(architecture_config(model), dtype=torch.bfloat16)
+    m.save_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(builtin_asset("tokenizer"))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    print(f"base: {model} ({sum(p.numel() for p in m.parameters()) / 1e9:.2f} B parameters) saved to {path} "
+          f"in {time.perf_counter() - t0:.0f} s")
+
+
+def chat_rows(n: int, words: int) -> list[dict]:
+    """n conversations whose answers run past `words` words (more tokens than the step's sequence: every tool
+    truncates each row to the same length), each from its own place in the built-in corpus."""
+    from importlib.resources import files
+
+    corpus = (files("offload_trainer") / "assets" / "corpus.txt").read_text().split()
+    rows = []
+    for i in range(n):
+        start = (i * 7919) % len(corpus)
+        answer = " ".join(corpus[(start + j) % len(corpus)] for j in range(words))
+        rows.append({"messages": [{"role": "user", "content": f"Tell me part {i} of the story."},
+                                  {"role": "assistant", "content": answer}]})
+    return rows
+
+
+def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, bf16: bool = True) -> None:
+    """The dataset and each tool's configuration under `work` (bf16=False: a rehearsal on a CPU, where the Trainer
+    refuses bf16)."""
+    os.makedirs(work, exist_ok=True)
+    with open(os.path.join(work, "bench.json"), "w") as f:  # (what the rows say of the run)
+        json.dump({"model": model, "seq": seq, "batch": batch, "steps": steps}, f)
+    data = os.path.join(work, "chat.jsonl")
+    with open(data, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in chat_rows(batch * steps, 2 * seq))
+    with open(os.path.join(work, "dataset_info.json"), "w") as f:  # LLaMA-Factory's registry
+        json.dump({"chat": {"file_name": "chat.jsonl", "formatting": "sharegpt", "columns": {"messages": "messages"},
+                            "tags": {"role_tag": "role", "content_tag": "content", "user_tag": "user",
+                                     "assistant_tag": "assistant"}}}, f)
+    common = {"output_dir": None, "max_steps": steps, "per_device_train_batch_size": batch,
+              "gradient_accumulation_steps": 1, "learning_rate": 1.0e-5, "logging_steps": 1, "save_strategy": "no",
+              "report_to": "none", "seed": 42, "offload_optimizer": True, "overwrite_output_dir": True}
+    configs = {
+        "ours": {"model_name_or_path": base, "torch_dtype": "bfloat16", "dataset_path": data,
+                 "assistant_only_loss": True, "max_seq_length": seq, "activation_checkpointing": True},
+        "trl": {"model": base, "dataset": data, "max_length": seq, "assistant_only_loss": True,
+                "gradient_checkpointing": True, "bf16": bf16, "model_init_kwargs": {"dtype": "bfloat16"}},
+        "axolotl": {"base_model": base, "plugins": ["offload_trainer.integrations.axolotl.OffloadPlugin"],
+                    "datasets": [{"path": data, "ds_type": "json", "type": "chat_template",
+                                  "field_messages": "messages", "roles_to_train": ["assistant"]}],
+                    "chat_template": "tokenizer_default", "sequence_len": seq, "excess_length_strategy": "truncate",
+                    "dataset_prepared_path": os.path.join(work, "axolotl-prepared"), "val_set_size": 0,
+                    "micro_batch_size": batch, "bf16": bf16, "gradient_checkpointing": True},
+        "llamafactory": {"model_name_or_path": base, "stage": "sft", "do_train": True, "finetuning_type": "full",
+                         "dataset": "chat", "dataset_dir": work, "template": "empty", "cutoff_len": seq,
+                         "overwrite_cache": True, "bf16": bf16, "gradient_checkpointing": True},
+    }
+    for tool, cfg in configs.items():
+        cfg = {**common, **cfg, "output_dir": os.path.join(work, f"out-{tool}")}
+        if tool == "axolotl":  # (axolotl's name for the batch; it replaces an earlier run's output itself)
+            cfg.pop("per_device_train_batch_size")
+            cfg.pop("overwrite_output_dir")
+        with open(os.path.join(work, f"{tool}.yaml"), "w") as f:
+            json.dump(cfg, f, indent=1)  # (JSON is YAML)
+    print(f"prepared {work}: {batch * steps} conversations, {batch} x {seq} tokens per step, {steps} steps")
+
+
+def listen(path: str) -> None:
+    """Every Trainer log appended to `path` with the time and the allocator's peaks so far."""
+    import torch
+    import transformers
+
+    trainer_log = transformers.Trainer.log
+
+    def log(self, logs, *args, **kwargs):
+        rec = {**logs, "_step": self.state.global_step, "_t": time.perf_counter()}
+        if torch.cuda.is_available():
+            rec["_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+            rec["_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return trainer_log(self, logs, *args, **kwargs)
+
+    transformers.Trainer.log = log
+
+
+def run_tool(tool: str, work: str) -> None:
+    """What a user of `tool` runs, in this process."""
+    cfg_path = os.path.join(work, f"{tool}.yaml")
+    if tool == "ours":
+        from offload_trainer.cli import main
+
+        rc = main(["train", cfg_path])
+        if rc:
+            raise SystemExit(rc)
+    elif tool == "trl":  # a TRL user's script
+        from datasets import load_dataset
+
+        from offload_trainer.trl import OffloadSFTConfig, OffloadSFTTrainer
+
+        cfg = json.load(open(cfg_path))
+        model, data = cfg.pop("model"), cfg.pop("dataset")
+        trainer = OffloadSFTTrainer(model=model, args=OffloadSFTConfig(**cfg),
+                                    train_dataset=load_dataset("json", data_files=data, split="train"))
+        trainer.train()
+    elif tool == "axolotl":  # `axolotl train CONFIG` with the python launcher: axolotl.cli.train's entry point
+        from axolotl.cli.train import do_cli
+
+        sys.argv = [sys.argv[0]]  # (its own arguments parser reads them)
+        do_cli(config=cfg_path)
+    elif tool == "llamafactory":  # python -m offload_trainer.integrations.llamafactory CONFIG
+        import runpy
+
+        sys.argv = ["offload_trainer.integrations.llamafactory", cfg_path]
+        try:
+            runpy.run_module("offload_trainer.integrations.llamafactory", run_name="__main__", alter_sys=True)
+        except SystemExit as e:
+            if e.code:
+                raise
+    else:
+        raise SystemExit(f"unknown tool {tool!r}: one of {', '.join(TOOLS)}")
+
+
+def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str | None, skip: int) -> dict:
+    from step_bench import machine
+
+    from offload_trainer.sysinfo import peak_rss_gib
+
+    shape = json.load(open(os.path.join(work, "bench.json")))
+    seq, batch = shape["seq"], shape["batch"]
+    train = [r for r in logs if "loss" in r and "tok_per_s" in r]
+    timed = train[skip:]
+    steps = [b["_t"] - a["_t"] for a, b in zip(train[skip - 1:], timed)] if skip else []
+    last = logs[-1] if logs else {}
+    return dict(
+        run_id=os.environ.get("RUN_ID", "local"), commit=os.environ.get("COMMIT", "unknown"), machine=machine(),
+        model=shape["model"], method="full", system="offload_trainer" if tool == "ours" else f"{tool}+offload_trainer",
+        gpus=1,
+        gpu_cap_gib=None, seq_len=seq, micro_batch=batch, grad_accum=1, tokens_per_step=seq * batch,
+        tok_per_s=round(statistics.median(r["tok_per_s"] for r in timed), 1) if timed and not error else None,
+        step_s_median=round(statistics.median(steps), 3) if steps else None,
+        peak_alloc_gib=round(last.get("_alloc_gib", 0.0), 2), peak_reserved_gib=round(last.get("_reserved_gib", 0.0), 2),
+        host_peak_gib=round(peak_rss_gib() or float("nan"), 2),
+        pinned_gib=max((r.get("host_pinned_gib", 0.0) for r in train), default=None), predicted=None, error=error,
+        extra={"losses": [round(r["loss"], 4) for r in train], "tok_per_s_logs": [r["tok_per_s"] for r in train],
+               "tokens_per_log": sorted({round(r["tok_per_s"] * (b["_t"] - a["_t"])) for a, r, b in
+                                          zip(train, train[1:], train[1:])})[:3],
+               "host_rss_gib_max": max((r.get("host_rss_gib", 0.0) for r in train), default=None),
+               "gpu_peak_gib_logged": max((r.get("gpu_peak_gib", 0.0) for r in train), default=None),
+               "clip_rate": [r.get("clip_rate") for r in train if "clip_rate" in r][-1:],
+               "logged_keys": sorted({k for r in train for k in r if not k.startswith("_")}),
+               "wall_s": round(wall_s, 1)})
+
+
+def run(tool: str, work: str, out: str | None, skip: int) -> None:
+    logs_path = os.path.join(work, f"logs-{tool}.jsonl")
+    if os.path.exists(logs_path):
+        os.remove(logs_path)
+    listen(logs_path)
+    t0, error = time.perf_counter(), None
+    try:
+        run_tool(tool, work)
+    except BaseException as e:  # (a failed tool is a row too)
+        error = f"{type(e).__name__}: {str(e)[:300]}"
+        import traceback
+
+        traceback.print_exc()
+    logs = [json.loads(x) for x in open(logs_path)] if os.path.exists(logs_path) else []
+    row = make_row(tool, work, logs, time.perf_counter() - t0, error, skip)
+    print("ROW " + json.dumps(row), flush=True)
+    if out:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def table(path: str) -> None:
+    """Each tool's tok/s and memory against `ours` of the same run."""
+    rows = [json.loads(x) for x in open(path) if x.startswith("{")]
+    for run_id in dict.fromkeys(r["run_id"] for r in rows):
+        mine = [r for r in rows if r["run_id"] == run_id]
+        ref = next((r for r in mine if r["system"] == "offload_trainer"), None)
+        print(f"run {run_id}")
+        for r in mine:
+            ratio = (f"{r['tok_per_s'] / ref['tok_per_s']:.3f}x" if ref and ref["tok_per_s"] and r["tok_per_s"]
+                     else "-")
+            same = [abs(a - b) for a, b in zip(r["extra"]["losses"], ref["extra"]["losses"])] if ref else []
+            print(f"  {r['system']:28} {r['tok_per_s']} tok/s ({ratio}), reserved {r['peak_reserved_gib']} GiB, "
+                  f"host {r['host_peak_gib']} GiB, losses {r['extra']['losses'][:3]}... (largest difference to "
+                  f"offload_trainer's over {len(same)} steps: {max(same, default=float('nan')):.4f}), "
+                  f"error {r['error']}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("base")
+    b.add_argument("dir")
+    b.add_argument("--model", default="llama3-8b")
+    pr = sub.add_parser("prepare")
+    pr.add_argument("base")
+    pr.add_argument("work")
+    pr.add_argument("--seq", type=int, default=2048)
+    pr.add_argument("--batch", type=int, default=4)
+    pr.add_argument("--steps", type=int, default=10)
+    pr.add_argument("--model", default="llama3-8b", help="the shape `base` built (for the rows)")
+    pr.add_argument("--cpu", action="store_true", help="a rehearsal on a CPU: bf16 off where the tools ask for it")
+    r = sub.add_parser("run")
+    r.add_argument("tool", choices=TOOLS)
+    r.add_argument("work")
+    r.add_argument("--out")
+    r.add_argument("--skip", type=int, default=3, help="logs left out of the median (compile, warm-up)")
+    t = sub.add_parser("table")
+    t.add_argument("rows")
+    a = p.parse_args()
+    if a.cmd == "base":
+        make_base(a.dir, a.model)
+    elif a.cmd == "prepare":
+        prepare(a.base, a.work, a.seq, a.batch, a.steps, a.model, bf16=not a.cpu)
+    elif a.cmd == "run":
+        run(a.tool, a.work, a.out, a.skip)
+    else:
+        table(a.rows)
+
+
+if __name__ == "__main__":
+    main()
