@@ -5,7 +5,8 @@ every log the Trainer writes is kept (with the allocator's peak at that moment),
 
     python bench/integrations.py base BASE_DIR --model llama3-8b     # random-init checkpoint + chat tokenizer
     python bench/integrations.py prepare BASE_DIR WORK [--seq 2048 --batch 4 --steps 10]
-    python bench/integrations.py run TOOL WORK --out rows.jsonl      # TOOL: ours, trl, axolotl, llamafactory
+    python bench/integrations.py run TOOL WORK --out rows.jsonl      # TOOL: ours, trl, axolotl, llamafactory,
+                                                                     # ours-qlora, axolotl-qlora (prepare --qlora-base)
     python bench/integrations.py table rows.jsonl                    # each tool against `ours`
 
 The same settings everywhere, named in each tool's own keys: the step (batch x seq, every row truncated to seq, so
@@ -26,20 +27,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-TOOLS = ("ours", "trl", "axolotl", "llamafactory")
+TOOLS = ("ours", "trl", "axolotl", "llamafactory", "ours-qlora", "axolotl-qlora")
 # the built-in tokenizer's template with the assistant's turns marked, as TRL's assistant_only_loss needs
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
                  "{{ m['content'] }}<|endoftext|>{% endgeneration %}{% else %}{{ m['content'] }}<|endoftext|>{% endif %}"
                  "\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
-def make_base(path: str, model: str) -> None:
+def make_base(path: str, model: str, config_only: bool = False) -> None:
     """A random-init checkpoint of a registry shape (built on the GPU where there is one) and the built-in tokenizer
-    with a chat template that marks the assistant's turns."""
+    with a chat template that marks the assistant's turns; `config_only`: the config and tokenizer, no weights (for
+    axolotl's `reinit_weights: true`, which builds the weights itself: a 70B checkpoint does not fit the GPU machine's
+    disk)."""
     import torch
-    from transformers import AutoModelForCausalLM
-
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from offload_trainer.data.sources import builtin_asset
     from offload_trainer.models.registry import architecture_config
@@ -47,14 +48,20 @@ def make_base(path: str, model: str) -> None:
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     t0 = time.perf_counter()
-    with torch.device(device):
-        m = AutoModelForCausalLM.from_config(architecture_config(model), dtype=torch.bfloat16)
-    m.save_pretrained(path)
+    config = architecture_config(model)
+    if config_only:
+        config.save_pretrained(path)
+    else:
+        with torch.device(device):
+            m = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        m.save_pretrained(path)
+        del m
     tok = AutoTokenizer.from_pretrained(builtin_asset("tokenizer"))
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(path)
-    print(f"base: {model} ({sum(p.numel() for p in m.parameters()) / 1e9:.2f} B parameters) saved to {path} "
-          f"in {time.perf_counter() - t0:.0f} s")
+    with open(os.path.join(path, "bench_model.json"), "w") as f:
+        json.dump(model, f)
+    print(f"base: {model} {'config' if config_only else 'checkpoint'} saved to {path} in {time.perf_counter() - t0:.0f} s")
 
 
 def chat_rows(n: int, words: int) -> list[dict]:
@@ -72,12 +79,14 @@ def chat_rows(n: int, words: int) -> list[dict]:
     return rows
 
 
-def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, bf16: bool = True) -> None:
+def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, bf16: bool = True,
+            qlora_base: str | None = None) -> None:
     """The dataset and each tool's configuration under `work` (bf16=False: a rehearsal on a CPU, where the Trainer
     refuses bf16)."""
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(work, "bench.json"), "w") as f:  # (what the rows say of the run)
-        json.dump({"model": model, "seq": seq, "batch": batch, "steps": steps}, f)
+        json.dump({"model": model, "seq": seq, "batch": batch, "steps": steps,
+                   "qlora_model": qlora_base and json.load(open(os.path.join(qlora_base, "bench_model.json")))}, f)
     data = os.path.join(work, "chat.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in chat_rows(batch * steps, 2 * seq))
@@ -103,9 +112,25 @@ def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, 
                          "dataset": "chat", "dataset_dir": work, "template": "empty", "cutoff_len": seq,
                          "overwrite_cache": True, "bf16": bf16, "gradient_checkpointing": True},
     }
+    if qlora_base:  # QLoRA of a random-init base bigger than the card, with our layer swap: the command's and axolotl's
+        qlora_model = json.load(open(os.path.join(qlora_base, "bench_model.json")))
+        configs["ours-qlora"] = {
+            **configs["ours"], "model_name_or_path": None, "model_config": qlora_model,
+            "tokenizer_name_or_path": qlora_base, "load_in_4bit": True, "lora_r": 16, "lora_alpha": 32,
+            "lora_target_modules": "all-linear", "per_device_train_batch_size": 1, "learning_rate": 1.0e-4,
+            "layer_swap": "auto" if bf16 else "1"}
+        configs["axolotl-qlora"] = {
+            **configs["axolotl"], "base_model": qlora_base, "reinit_weights": True, "adapter": "qlora",
+            "load_in_4bit": True, "lora_r": 16, "lora_alpha": 32, "lora_dropout": 0.0, "lora_target_linear": True,
+            "micro_batch_size": 1, "learning_rate": 1.0e-4, "layer_swap": "auto",
+            # (a CPU has no memory to plan for: one layer resident; axolotl's LoRA kernels call CUDA)
+            **({} if bf16 else {"layer_swap": "1", "lora_mlp_kernel": False, "lora_qkv_kernel": False,
+                                "lora_o_kernel": False})}
     for tool, cfg in configs.items():
         cfg = {**common, **cfg, "output_dir": os.path.join(work, f"out-{tool}")}
-        if tool == "axolotl":  # (axolotl's name for the batch; it replaces an earlier run's output itself)
+        if tool == "ours-qlora":
+            cfg.pop("model_name_or_path")
+        if tool.startswith("axolotl"):  # (axolotl's name for the batch; it replaces an earlier run's output itself)
             cfg.pop("per_device_train_batch_size")
             cfg.pop("overwrite_output_dir")
         with open(os.path.join(work, f"{tool}.yaml"), "w") as f:
@@ -122,6 +147,9 @@ def listen(path: str) -> None:
 
     def log(self, logs, *args, **kwargs):
         rec = {**logs, "_step": self.state.global_step, "_t": time.perf_counter()}
+        swap = getattr(getattr(self, "_run", None), "swap", None)
+        if swap is not None:  # (layer swap: decoder layers on the GPU now)
+            rec["_resident"] = swap.resident
         if torch.cuda.is_available():
             rec["_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
             rec["_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -135,7 +163,7 @@ def listen(path: str) -> None:
 def run_tool(tool: str, work: str) -> None:
     """What a user of `tool` runs, in this process."""
     cfg_path = os.path.join(work, f"{tool}.yaml")
-    if tool == "ours":
+    if tool.startswith("ours"):
         from offload_trainer.cli import main
 
         rc = main(["train", cfg_path])
@@ -151,7 +179,7 @@ def run_tool(tool: str, work: str) -> None:
         trainer = OffloadSFTTrainer(model=model, args=OffloadSFTConfig(**cfg),
                                     train_dataset=load_dataset("json", data_files=data, split="train"))
         trainer.train()
-    elif tool == "axolotl":  # `axolotl train CONFIG` with the python launcher: axolotl.cli.train's entry point
+    elif tool.startswith("axolotl"):  # `axolotl train CONFIG` with the python launcher: axolotl.cli.train's entry point
         from axolotl.cli.train import do_cli
 
         sys.argv = [sys.argv[0]]  # (its own arguments parser reads them)
@@ -175,14 +203,15 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
     from offload_trainer.sysinfo import peak_rss_gib
 
     shape = json.load(open(os.path.join(work, "bench.json")))
-    seq, batch = shape["seq"], shape["batch"]
+    qlora = tool.endswith("-qlora")
+    seq, batch = shape["seq"], 1 if qlora else shape["batch"]
     train = [r for r in logs if "loss" in r and "tok_per_s" in r]
     timed = train[skip:]
     steps = [b["_t"] - a["_t"] for a, b in zip(train[skip - 1:], timed)] if skip else []
     last = logs[-1] if logs else {}
     return dict(
         run_id=os.environ.get("RUN_ID", "local"), commit=os.environ.get("COMMIT", "unknown"), machine=machine(),
-        model=shape["model"], method="full", system="offload_trainer" if tool == "ours" else f"{tool}+offload_trainer",
+        model=shape["qlora_model"] if qlora else shape["model"], method="qlora" if qlora else "full", system="offload_trainer" if tool.startswith("ours") else f"{tool.removesuffix('-qlora')}+offload_trainer",
         gpus=1,
         gpu_cap_gib=None, seq_len=seq, micro_batch=batch, grad_accum=1, tokens_per_step=seq * batch,
         tok_per_s=round(statistics.median(r["tok_per_s"] for r in timed), 1) if timed and not error else None,
@@ -191,6 +220,8 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
         host_peak_gib=round(peak_rss_gib() or float("nan"), 2),
         pinned_gib=max((r.get("host_pinned_gib", 0.0) for r in train), default=None), predicted=None, error=error,
         extra={"losses": [round(r["loss"], 4) for r in train], "tok_per_s_logs": [r["tok_per_s"] for r in train],
+               "resident_layers": [r.get("_resident") for r in train],
+               "adapters_written": os.path.exists(os.path.join(work, f"out-{tool}", "adapter_model.safetensors")),
                "tokens_per_log": sorted({round(r["tok_per_s"] * (b["_t"] - a["_t"])) for a, r, b in
                                           zip(train, train[1:], train[1:])})[:3],
                "host_rss_gib_max": max((r.get("host_rss_gib", 0.0) for r in train), default=None),
@@ -226,13 +257,13 @@ def table(path: str) -> None:
     rows = [json.loads(x) for x in open(path) if x.startswith("{")]
     for run_id in dict.fromkeys(r["run_id"] for r in rows):
         mine = [r for r in rows if r["run_id"] == run_id]
-        ref = next((r for r in mine if r["system"] == "offload_trainer"), None)
         print(f"run {run_id}")
         for r in mine:
+            ref = next((x for x in mine if x["system"] == "offload_trainer" and x["method"] == r["method"]), None)
             ratio = (f"{r['tok_per_s'] / ref['tok_per_s']:.3f}x" if ref and ref["tok_per_s"] and r["tok_per_s"]
                      else "-")
             same = [abs(a - b) for a, b in zip(r["extra"]["losses"], ref["extra"]["losses"])] if ref else []
-            print(f"  {r['system']:28} {r['tok_per_s']} tok/s ({ratio}), reserved {r['peak_reserved_gib']} GiB, "
+            print(f"  {r['system']:28} {r['method']:5} {r['tok_per_s']} tok/s ({ratio}), reserved {r['peak_reserved_gib']} GiB, "
                   f"host {r['host_peak_gib']} GiB, losses {r['extra']['losses'][:3]}... (largest difference to "
                   f"offload_trainer's over {len(same)} steps: {max(same, default=float('nan')):.4f}), "
                   f"error {r['error']}")
@@ -244,6 +275,7 @@ def main() -> None:
     b = sub.add_parser("base")
     b.add_argument("dir")
     b.add_argument("--model", default="llama3-8b")
+    b.add_argument("--config-only", action="store_true")
     pr = sub.add_parser("prepare")
     pr.add_argument("base")
     pr.add_argument("work")
@@ -251,6 +283,7 @@ def main() -> None:
     pr.add_argument("--batch", type=int, default=4)
     pr.add_argument("--steps", type=int, default=10)
     pr.add_argument("--model", default="llama3-8b", help="the shape `base` built (for the rows)")
+    pr.add_argument("--qlora-base", help="a config-only base (base --config-only) for axolotl-qlora")
     pr.add_argument("--cpu", action="store_true", help="a rehearsal on a CPU: bf16 off where the tools ask for it")
     r = sub.add_parser("run")
     r.add_argument("tool", choices=TOOLS)
@@ -261,9 +294,9 @@ def main() -> None:
     t.add_argument("rows")
     a = p.parse_args()
     if a.cmd == "base":
-        make_base(a.dir, a.model)
+        make_base(a.dir, a.model, a.config_only)
     elif a.cmd == "prepare":
-        prepare(a.base, a.work, a.seq, a.batch, a.steps, a.model, bf16=not a.cpu)
+        prepare(a.base, a.work, a.seq, a.batch, a.steps, a.model, bf16=not a.cpu, qlora_base=a.qlora_base)
     elif a.cmd == "run":
         run(a.tool, a.work, a.out, a.skip)
     else:

@@ -59,9 +59,9 @@ if sys.argv[1] == "ours":  # as `python -m offload_trainer.integrations.llamafac
 else:
     rc = run_reporting(json.load(open(sys.argv[2]))) or 0
 me = built.pop("me", None)
-built.update(optimizer=type(getattr(me, "_offload_opt", None)).__name__,
-             swapped=type(getattr(me, "_swap", None)).__name__,
-             activations=type(getattr(me, "_activations", None)).__name__)
+run = getattr(me, "_run", None)
+built.update(optimizer=type(run and run.optimizer).__name__, swapped=type(run and run.swap).__name__,
+             activations=type(run and run.activations).__name__)
 print("RESULT " + json.dumps({"rc": rc, **built}))
 """
 

@@ -125,6 +125,19 @@ def our_log_level(main_rank_level: int) -> int:
     return logging.WARNING if int(os.environ.get("RANK", "0")) > 0 else main_rank_level
 
 
+def show_our_log_lines() -> None:
+    """Our log lines (the plan, what is streamed and why not, what the layer swap chose, tok/s and memory per log) on
+    stderr as the command prints them, rank 0 only, inside another tool's process: LLaMA-Factory sets up its own
+    loggers and transformers', not ours; axolotl's filter drops other libraries' records below WARNING."""
+    log = logging.getLogger("offload_trainer")
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt=LOG_DATEFMT))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(our_log_level(logging.INFO))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     # key=value overrides may come before or after options such as --json

@@ -6,6 +6,7 @@ Through axolotl's plugin API (`axolotl.integrations.base.BasePlugin`): our keys 
 axolotl builds gets the offload wiring (`get_trainer_cls`: `OffloadMixin` before axolotl's own `AxolotlTrainer`).
 axolotl's own offloading (DeepSpeed / FSDP offload, `activation_offloading`, `layer_offloading`, gradient
 checkpointing to CPU) would move the same tensors a second way: the config is refused, naming what to turn off.
+QLoRA (`load_in_4bit`) with our `layer_swap`: the one seam into axolotl's model loading (`_take_over_4bit_build`).
 Needs `pip install 'offload-trainer[axolotl]'` (axolotl pins its own transformers / peft / trl / datasets: use a
 virtual environment of its own).
 """
@@ -19,6 +20,7 @@ from typing import Any, Optional
 from axolotl.integrations.base import BasePlugin
 from pydantic import BaseModel, model_validator
 
+from ..settings import parse_layer_swap
 from ..trainer.args import OffloadFields
 
 __all__ = ["OffloadArgs", "OffloadPlugin"]
@@ -80,8 +82,68 @@ def _trainer_cls() -> type:
                 {"__doc__": "axolotl's AxolotlTrainer with the offload wiring (offload_trainer's axolotl plugin)."})
 
 
+def _builds_4bit_layer_by_layer(cfg) -> bool:
+    return bool(cfg.get("load_in_4bit")) and parse_layer_swap(cfg.get("layer_swap")) is not False
+
+
+@functools.lru_cache(maxsize=None)
+def _take_over_4bit_build() -> None:
+    """QLoRA with layer swap: axolotl's ModelLoader quantizes the whole base onto the GPU as from_pretrained loads it,
+    which a base bigger than the card (70B: ~37 GB in NF4) does not survive, and then moves the model to the GPU. For
+    such a config its `_build_model` (the step that makes `loader.model`) builds the base our way instead, a block at a
+    time, decoder layers parked in CPU memory for the swap to place (`models.layerwise`, as `offload-trainer train`
+    loads it: the same NF4 as BitsAndBytesConfig's nf4 + double quant), and answers "do not move it to the device".
+    axolotl's `reinit_weights: true` builds a random-init base the same way. Every other config goes to axolotl's own
+    `_build_model`; everything around it (kbit preparation, LoRA, patches) stays axolotl's."""
+    from axolotl.loaders.model import ModelLoader
+
+    build = ModelLoader._build_model
+
+    @functools.wraps(build)
+    def build_model(loader) -> bool:
+        if not _builds_4bit_layer_by_layer(loader.cfg):
+            return build(loader)
+        loader.model = _base_4bit_layer_by_layer(loader)
+        return True  # (skip_move_to_device)
+
+    ModelLoader._build_model = build_model
+
+
+def _base_4bit_layer_by_layer(loader):
+    import types
+
+    import torch
+
+    from ..models.layerwise import pretrained_4bit_layerwise, random_init_4bit
+    from ..models.loading import local_weights
+
+    cfg, config = loader.cfg, loader.model_config
+    config._attn_implementation = loader.model_kwargs.get("attn_implementation") or "sdpa"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.reinit_weights:
+        return random_init_4bit(config, device, park="cpu")
+    path = local_weights(types.SimpleNamespace(model_name_or_path=loader.base_model, revision=cfg.revision_of_model))
+    return pretrained_4bit_layerwise(path, config, device, park="cpu", dtype=cfg.torch_dtype or torch.bfloat16)
+
+
 class OffloadPlugin(BasePlugin):
     """axolotl plugin: the offload wiring on axolotl's SFT trainer."""
+
+    def register(self, cfg) -> None:
+        import logging
+
+        from ..cli.main import show_our_log_lines
+
+        show_our_log_lines()
+        # axolotl's logger class gives every other library's logger a filter dropping records below WARNING (its
+        # LOG_LEVEL); ours made after axolotl's import carries it: our level decides instead, as everywhere else
+        ours = logging.getLogger("offload_trainer")
+        for f in [f for f in ours.filters if type(f).__module__.startswith("axolotl")]:
+            ours.removeFilter(f)
+
+    def pre_model_load(self, cfg) -> None:
+        if _builds_4bit_layer_by_layer(cfg):
+            _take_over_4bit_build()
 
     def get_input_args(self) -> str:
         return "offload_trainer.integrations.axolotl.OffloadArgs"

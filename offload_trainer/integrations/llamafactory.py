@@ -114,9 +114,9 @@ def _read(argv: list[str]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Train a LLaMA-Factory config with the offload wiring; exit codes as `offload-trainer train`'s (2: a config
     that cannot run)."""
-    from ..cli.main import exit_code_of, use_expandable_segments
+    from ..cli.main import exit_code_of, show_our_log_lines, use_expandable_segments
 
-    _our_log_lines()
+    show_our_log_lines()  # (LLaMA-Factory sets up its own loggers and transformers', not ours)
     use_expandable_segments()
     return exit_code_of(lambda: _train(list(sys.argv[1:] if argv is None else argv)), prog=PROG)
 
@@ -130,20 +130,6 @@ def _train(argv: list[str]) -> None:
         raise ConfigError("offload_trainer's LLaMA-Factory launcher cannot run with: " + "; ".join(found))
     with _seams():
         run_exp(cfg)
-
-
-def _our_log_lines() -> None:
-    """Our log lines (the plan, what is streamed and why not) on stderr as the command prints them, rank 0 only:
-    LLaMA-Factory sets up its own loggers and transformers', not ours."""
-    from ..cli.main import LOG_DATEFMT, LOG_FORMAT, our_log_level
-
-    log = logging.getLogger("offload_trainer")
-    if not log.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt=LOG_DATEFMT))
-        log.addHandler(handler)
-        log.propagate = False
-    log.setLevel(our_log_level(logging.INFO))
 
 
 if __name__ == "__main__":  # (the importable module's main: its classes, which pickle finds by that module's name)
