@@ -39,5 +39,11 @@ class TrainingInterrupted(KeyboardInterrupt):
         self.signum, self.checkpoint = signum, checkpoint
 
 
+class GpuOutOfMemory(RuntimeError):
+    """A training step ran out of GPU memory: what was on the GPU, what the plan predicted, and the switch that makes
+    room. Updates may already have run during that step's backward, so the run ends there; the last checkpoint is
+    intact."""
+
+
 class TrainingStopped(RuntimeError):
     """Training stopped itself: too many non-finite steps in a row."""

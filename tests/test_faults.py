@@ -464,3 +464,33 @@ def test_save_strategy_no_still_checks_the_disk_for_the_model(tmp_path, capsys):
     with mounted_tmpfs(disk, "1m"):
         expect(Case(tmp_path, f"output_dir: {disk / 'run'}\nsave_strategy: 'no'\n"), capsys, 4,
                "not enough disk in", "for the trained model")
+
+
+@pytest.mark.parametrize("swap, fix", [("2", "2 of 4 decoder layers were on the GPU (as configured): set layer_swap: 0"),
+                                       ("off", "no layer swap: set layer_swap: auto")], ids=["swap", "no_swap"])
+def test_gpu_out_of_memory_in_a_step(swap, fix, tmp_path, capsys, monkeypatch):
+    """A step that runs out of GPU memory (torch's error raised inside step 3's forward and backward) ends with a
+    sentence, exit 6: the allocation that failed, what was on the GPU and the switch that makes room, the last
+    checkpoint (intact: resuming from it trains on)."""
+    import torch
+    from transformers import Trainer
+
+    real = Trainer.training_step
+
+    def oom_at_step_3(self, *args, **kwargs):
+        if self.state.global_step == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity "
+                                         "of 23.50 GiB of which 1.21 GiB is free.")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "training_step", oom_at_step_3)
+    case = Case(tmp_path, f"max_steps: 4\nsave_steps: 2\nlayer_swap: {swap}\nactivation_checkpointing: true\n"
+                          "model_overrides: {num_hidden_layers: 4}\n")
+    rc, err = case.run(capsys)
+    assert rc == 6, err[-2000:]
+    assert ("out of GPU memory: step 3 ran out of GPU memory (CUDA out of memory. Tried to allocate 2.00 GiB)"
+            in err), err[-2000:]
+    assert fix in err and f"the last checkpoint is {case.out / 'checkpoint-2'}" in err
+    monkeypatch.setattr(Trainer, "training_step", real)
+    rc, err = case.run(capsys, "resume_from_checkpoint=true")
+    assert rc == 0, err[-2000:]

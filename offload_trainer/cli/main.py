@@ -14,14 +14,14 @@ import sys
 os.environ.setdefault("TORCHAO_FORCE_SKIP_LOADING_SO_FILES", "1")
 
 # Only light modules here: `--help`, `keys` and a refused run answer before torch (2 s) or transformers (8 s) load.
-from ..errors import (CheckpointError, ConfigError, DataError, MergeError, OutputBusy, StorageError,  # noqa: E402
-                      TrainingInterrupted, TrainingStopped)
+from ..errors import (CheckpointError, ConfigError, DataError, GpuOutOfMemory, MergeError, OutputBusy,  # noqa: E402
+                      StorageError, TrainingInterrupted, TrainingStopped)
 from . import recipe  # noqa: E402
 
 logger = logging.getLogger("offload_trainer")
 # Exit codes (README, Troubleshooting): a bad input, training stopped by non-finite steps, storage (a full disk, an
 # output_dir that cannot be written), output_dir busy or holding another run. A signal: 128 + its number.
-EXIT_INPUT, EXIT_STOPPED, EXIT_STORAGE, EXIT_BUSY = 2, 3, 4, 5
+EXIT_INPUT, EXIT_STOPPED, EXIT_STORAGE, EXIT_BUSY, EXIT_GPU_MEMORY = 2, 3, 4, 5, 6
 LOG_FORMAT, LOG_DATEFMT = "%(asctime)s %(name)s: %(message)s", "%H:%M:%S"
 
 
@@ -116,7 +116,8 @@ def _run(args) -> None:
 _ENDINGS = ((ConfigError, "error", EXIT_INPUT), (DataError, "error", EXIT_INPUT), (CheckpointError, "error", EXIT_INPUT),
             (MergeError, "error", EXIT_INPUT),
             (FileNotFoundError, "error", EXIT_INPUT), (StorageError, "storage", EXIT_STORAGE),
-            (OutputBusy, "busy", EXIT_BUSY), (TrainingStopped, "stopped", EXIT_STOPPED))
+            (OutputBusy, "busy", EXIT_BUSY), (TrainingStopped, "stopped", EXIT_STOPPED),
+            (GpuOutOfMemory, "out of GPU memory", EXIT_GPU_MEMORY))
 
 
 

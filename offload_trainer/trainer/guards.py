@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import signal
 import threading
 
 from .checkpoint import newest_complete_checkpoint
-from ..errors import TrainingInterrupted, TrainingStopped
+from ..errors import GpuOutOfMemory, TrainingInterrupted, TrainingStopped
 from .run_state import RunState
 
 logger = logging.getLogger("offload_trainer")
@@ -77,3 +78,25 @@ def raise_if_stopped(run: RunState, output_dir: str, global_step: int) -> None:
             f"(all skipped: weights and optimizer states are those of the last finite step, "
             f"{global_step - nf.in_a_row}). Lower learning_rate, check the data, or "
             f"raise max_nonfinite_steps. " + (f"Last checkpoint: {ckpt}." if ckpt else ""))
+
+
+def out_of_memory(run: RunState, step: int, error: BaseException, output_dir: str) -> GpuOutOfMemory:
+    """A step that ran out of GPU memory, said with what was on the GPU and the switch that frees at least 1 GiB
+    (torch's own message names the allocation that failed; the planner's prediction shows how far off it was)."""
+    what = str(error).split("\n")[0].split(". GPU")[0]  # ("CUDA out of memory. Tried to allocate 2.00 GiB")
+    swap, plan = run.swap, run.plan
+    if swap is not None and swap.resident > 0:
+        fewer = max(0, swap.resident - max(1, math.ceil(2**30 / max(swap.layer_bytes, 1))))
+        chosen = "chosen by layer_swap: auto" if run.settings.layer_swap is None else "as configured"
+        fix = (f"{swap.resident} of {swap.n_layers} decoder layers were on the GPU ({chosen}): set layer_swap: "
+               f"{fewer}")
+    elif swap is None:
+        fix = "no layer swap: set layer_swap: auto (decoder layers then wait in pinned CPU memory)"
+    else:
+        fix = ("every decoder layer already waits in CPU memory: set activation_offload: true or tiled_mlp: true, "
+               "or lower max_seq_length / per_device_train_batch_size")
+    predicted = f"; the plan predicted a {plan.gpu_peak_gib:.1f} GiB peak" if plan is not None else ""
+    ckpt = newest_complete_checkpoint(output_dir)
+    return GpuOutOfMemory(f"step {step} ran out of GPU memory ({what}){predicted}. {fix}. Updates of this step may "
+                          f"have run, so the run stops here; " + (f"the last checkpoint is {ckpt} (resume with "
+                          f"resume_from_checkpoint: true)" if ckpt else "no checkpoint was saved"))

@@ -247,8 +247,13 @@ class OffloadMixin:
         accumulate = opt is not None and not self.accelerator.sync_gradients
         if opt is not None and opt.speculative:  # (a redo runs these again)
             run.step_batches.append((model, dict(inputs), num_items_in_batch, accumulate))
-        with opt.no_update() if accumulate else contextlib.nullcontext():
-            loss = super().training_step(model, inputs, num_items_in_batch)
+        try:
+            with opt.no_update() if accumulate else contextlib.nullcontext():
+                loss = super().training_step(model, inputs, num_items_in_batch)
+        except torch.OutOfMemoryError as e:
+            if self.args.auto_find_batch_size:  # (the Trainer's retry with a smaller batch reads torch's error)
+                raise
+            raise guards.out_of_memory(run, self.state.global_step + 1, e, self.args.output_dir) from e
         return seams.filtered_loss(self, run, loss) if run.device_loss_filter else loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
