@@ -12,8 +12,8 @@ every log the Trainer writes is kept (with the allocator's peak at that moment),
 The same settings everywhere, named in each tool's own keys: the step (batch x seq, every row truncated to seq, so
 every tool trains the same tokens per step), bf16 weights, gradient checkpointing, learning rate, seed, logging every
 step, no saves, our `offload_optimizer: true`. Left at each tool's default: max_grad_norm (1.0 in all four), the
-scheduler, warmup, its chat template handling (the tokenizer's template, which marks the assistant's turns, where the
-tool takes one; LLaMA-Factory brings its own templates: `empty` here), truncation. tok/s and memory come from our
+scheduler, warmup, its chat template handling (each reads the tokenizer's template, which marks the assistant's turns;
+LLaMA-Factory parses it into its own template format), truncation. tok/s and memory come from our
 logs, which every tool gets through OffloadMixin (tok/s counts the tokens each step trained on).
 """
 from __future__ import annotations
@@ -109,7 +109,7 @@ def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, 
                     "dataset_prepared_path": os.path.join(work, "axolotl-prepared"), "val_set_size": 0,
                     "micro_batch_size": batch, "bf16": bf16, "gradient_checkpointing": True},
         "llamafactory": {"model_name_or_path": base, "stage": "sft", "do_train": True, "finetuning_type": "full",
-                         "dataset": "chat", "dataset_dir": work, "template": "empty", "cutoff_len": seq,
+                         "dataset": "chat", "dataset_dir": work, "cutoff_len": seq,
                          "overwrite_cache": True, "bf16": bf16, "gradient_checkpointing": True},
     }
     if qlora_base:  # QLoRA of a random-init base bigger than the card, with our layer swap: the command's and axolotl's
