@@ -32,7 +32,7 @@ sets[llamafactory]="llamafactory==0.9.5 transformers==5.6.0 peft==0.18.1 trl==0.
   multiprocess==0.70.16 fsspec==2025.3.0 accelerate==1.11.0 tokenizers==0.22.2 omegaconf==2.4.0
   fire==0.7.1 termcolor==3.3.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
   tyro==0.8.14 docstring_parser==0.18.0 shtab==1.13.0"
-for name in "${@:-axolotl llamafactory trl}"; do
+for name in "${@:-axolotl llamafactory trl bnb}"; do
   for set in $name; do
     dir=.whl-$set; [ "$pyver" = 3.12 ] || dir=/tmp/whl$pyver-$set
     grep -qxF "/.whl-$set/" .git/info/exclude 2>/dev/null || echo "/.whl-$set/" >> .git/info/exclude
