@@ -30,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 TOOLS = ("ours", "trl", "axolotl", "llamafactory", "ours-qlora", "axolotl-qlora")
 # the built-in tokenizer's template with the assistant's turns marked, as TRL's assistant_only_loss needs
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
-                 "{{ m['content'] }}<|endoftext|>{% endgeneration %}{% else %}{{ m['content'] }}<|endoftext|>{% endif %}"
+                 "{{ m['content'] }}<|endoftext|>{% endgeneration %}"
+                 "{% else %}{{ m['content'] }}<|endoftext|>{% endif %}"
                  "\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
@@ -61,7 +62,8 @@ def make_base(path: str, model: str, config_only: bool = False) -> None:
     tok.save_pretrained(path)
     with open(os.path.join(path, "bench_model.json"), "w") as f:
         json.dump(model, f)
-    print(f"base: {model} {'config' if config_only else 'checkpoint'} saved to {path} in {time.perf_counter() - t0:.0f} s")
+    print(f"base: {model} {'config' if config_only else 'checkpoint'} saved to {path} "
+          f"in {time.perf_counter() - t0:.0f} s")
 
 
 def chat_rows(n: int, words: int) -> list[dict]:
@@ -211,19 +213,21 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
     last = logs[-1] if logs else {}
     return dict(
         run_id=os.environ.get("RUN_ID", "local"), commit=os.environ.get("COMMIT", "unknown"), machine=machine(),
-        model=shape["qlora_model"] if qlora else shape["model"], method="qlora" if qlora else "full", system="offload_trainer" if tool.startswith("ours") else f"{tool.removesuffix('-qlora')}+offload_trainer",
-        gpus=1,
-        gpu_cap_gib=None, seq_len=seq, micro_batch=batch, grad_accum=1, tokens_per_step=seq * batch,
+        model=shape["qlora_model"] if qlora else shape["model"], method="qlora" if qlora else "full",
+        system="offload_trainer" if tool.startswith("ours") else f"{tool.removesuffix('-qlora')}+offload_trainer",
+        gpus=1, gpu_cap_gib=None, seq_len=seq, micro_batch=batch, grad_accum=1, tokens_per_step=seq * batch,
         tok_per_s=round(statistics.median(r["tok_per_s"] for r in timed), 1) if timed and not error else None,
         step_s_median=round(statistics.median(steps), 3) if steps else None,
-        peak_alloc_gib=round(last.get("_alloc_gib", 0.0), 2), peak_reserved_gib=round(last.get("_reserved_gib", 0.0), 2),
+        peak_alloc_gib=round(last.get("_alloc_gib", 0.0), 2),
+        peak_reserved_gib=round(last.get("_reserved_gib", 0.0), 2),
         host_peak_gib=round(peak_rss_gib() or float("nan"), 2),
         pinned_gib=max((r.get("host_pinned_gib", 0.0) for r in train), default=None), predicted=None, error=error,
         extra={"losses": [round(r["loss"], 4) for r in train], "tok_per_s_logs": [r["tok_per_s"] for r in train],
                "resident_layers": [r.get("_resident") for r in train],
                "adapters_written": os.path.exists(os.path.join(work, f"out-{tool}", "adapter_model.safetensors")),
-               "tokens_per_log": sorted({round(r["tok_per_s"] * (b["_t"] - a["_t"])) for a, r, b in
-                                          zip(train, train[1:], train[1:])})[:3],
+               # (each log's tok/s times the time since the one before: every tool should train as many per step)
+               "tokens_per_log": sorted({round(b["tok_per_s"] * (b["_t"] - a["_t"])) for a, b in
+                                         zip(train, train[1:])})[:3],
                "host_rss_gib_max": max((r.get("host_rss_gib", 0.0) for r in train), default=None),
                "gpu_peak_gib_logged": max((r.get("gpu_peak_gib", 0.0) for r in train), default=None),
                "clip_rate": [r.get("clip_rate") for r in train if "clip_rate" in r][-1:],
@@ -263,7 +267,8 @@ def table(path: str) -> None:
             ratio = (f"{r['tok_per_s'] / ref['tok_per_s']:.3f}x" if ref and ref["tok_per_s"] and r["tok_per_s"]
                      else "-")
             same = [abs(a - b) for a, b in zip(r["extra"]["losses"], ref["extra"]["losses"])] if ref else []
-            print(f"  {r['system']:28} {r['method']:5} {r['tok_per_s']} tok/s ({ratio}), reserved {r['peak_reserved_gib']} GiB, "
+            print(f"  {r['system']:28} {r['method']:5} {r['tok_per_s']} tok/s ({ratio}), "
+                  f"reserved {r['peak_reserved_gib']} GiB, "
                   f"host {r['host_peak_gib']} GiB, losses {r['extra']['losses'][:3]}... (largest difference to "
                   f"offload_trainer's over {len(same)} steps: {max(same, default=float('nan')):.4f}), "
                   f"error {r['error']}")

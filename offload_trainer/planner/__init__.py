@@ -14,6 +14,7 @@ from .search import DEVICE_STATE_FILL_FRACTION, DEVICE_STATE_FILL_MARGIN_GIB, DE
 from .shape import GiB, KNOWN_TYPES, Machine, ModelShape, PlanError, UnknownArchitecture
 from .table import Plan
 
-__all__ = ["plan", "plan_for_run", "plan_at_resident", "Plan", "PlanError", "UnknownArchitecture", "Machine", "ModelShape", "GiB",
+__all__ = ["plan", "plan_for_run", "plan_at_resident", "Plan", "PlanError", "UnknownArchitecture", "Machine",
+           "ModelShape", "GiB",
            "SAVE_SHARD_BYTES", "KNOWN_TYPES", "dtype_bytes",
            "host_memory_gib", "DEVICE_STATE_MARGIN_GIB", "DEVICE_STATE_FILL_MARGIN_GIB", "DEVICE_STATE_FILL_FRACTION"]

@@ -153,9 +153,9 @@ def checkpoint_plain_stacks(model) -> int:
     """Gradient checkpointing for the stacks of layers that transformers' `gradient_checkpointing_enable` leaves out:
     it checkpoints `GradientCheckpointingLayer`s only, and some models' other stacks are plain modules -- Mllama's 40
     vision encoder layers, whose activations a full finetune kept for backward (2 images x 4 tiles: about 0.6 GiB per
-    layer, counted on the CPU at that shape; an 11B-Vision run ran out of a 24 GB card at its first step). Each such layer's forward runs under non-reentrant
-    checkpointing while autograd records and one of its parameters trains (a frozen tower runs without autograd
-    anyway). Returns how many layers were wrapped."""
+    layer, counted on the CPU at that shape; enough to run an 11B-Vision step out of a 24 GB card). Each such layer's
+    forward runs under non-reentrant checkpointing while autograd records and one of its parameters trains (a frozen
+    tower runs without autograd anyway). Returns how many layers were wrapped."""
     from torch.utils.checkpoint import checkpoint
     from transformers.modeling_layers import GradientCheckpointingLayer
 
