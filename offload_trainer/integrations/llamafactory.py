@@ -11,6 +11,8 @@ undone when the run ends:
   LLaMA-Factory's own parser reads and checks our keys (an unknown key is still an error);
 - its pre-training and SFT workflows build their trainer with `OffloadMixin` before LLaMA-Factory's `CustomTrainer` /
   `CustomSeq2SeqTrainer` (its data, collators, callbacks and saving stay its own).
+One default differs: a full or freeze finetune in bf16 on a GPU gets `pure_bf16: true` unless the config says
+otherwise (see `bf16_weights`).
 What would move the same tensors a second way, or replace the optimizer or loss the mixin wires (DeepSpeed, its own
 optimizers, the other stages), is refused by name before any model loads.
 """
@@ -26,7 +28,7 @@ from typing import Any
 from ..trainer.args import OffloadFields
 from ..errors import ConfigError
 
-__all__ = ["clashes", "main"]
+__all__ = ["bf16_weights", "clashes", "main"]
 
 PROG = "python -m offload_trainer.integrations.llamafactory"
 
@@ -98,6 +100,25 @@ def _seams():
             setattr(mod, name, value)
 
 
+def bf16_weights(cfg: dict[str, Any], on_gpu: bool) -> str | None:
+    """Set `pure_bf16: true` in `cfg` where the streamed optimizer will update trainable weights that LLaMA-Factory
+    would otherwise cast to fp32 (its mixed precision for full / freeze finetunes: the weights on the GPU twice the
+    size, 32 GiB for an 8B model, before the first step). The streamed optimizer keeps bf16 weights, rounded
+    stochastically (`master_weights`), as `offload-trainer train` and the axolotl plugin do. Returns the log line, or
+    None where nothing changes: LoRA (small adapters, upcast as LLaMA-Factory does), no GPU (LLaMA-Factory refuses
+    pure_bf16 there and the Trainer's AdamW runs), fp32 / fp16 runs, offload_optimizer: false, or pure_bf16 given."""
+    from ..trainer.args import ADAMW_NAMES
+
+    if (not on_gpu or "pure_bf16" in cfg or not cfg.get("bf16") or cfg.get("fp16")
+            or cfg.get("finetuning_type", "lora") not in ("full", "freeze") or cfg.get("offload_optimizer") is False
+            or cfg.get("optim", "adamw_torch") not in ADAMW_NAMES):
+        return None
+    cfg["pure_bf16"] = True
+    return ("pure_bf16: true (the streamed optimizer updates bf16 weights with stochastic rounding, as "
+            "offload-trainer train does; LLaMA-Factory's fp32 upcast would double the weights' GPU memory). "
+            "Set pure_bf16: false to keep its fp32 weights.")
+
+
 def _read(argv: list[str]) -> dict[str, Any]:
     """The config as `llamafactory-cli train` reads it (its YAML / JSON plus `key=value` overrides)."""
     from llamafactory.hparams.parser import read_args
@@ -128,6 +149,11 @@ def _train(argv: list[str]) -> None:
     found = clashes(cfg)
     if found:
         raise ConfigError("offload_trainer's LLaMA-Factory launcher cannot run with: " + "; ".join(found))
+    import torch
+
+    note = bf16_weights(cfg, torch.cuda.is_available())
+    if note:
+        logging.getLogger(__name__).info(note)
     with _seams():
         run_exp(cfg)
 
