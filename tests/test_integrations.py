@@ -110,3 +110,20 @@ def test_llamafactory_full_finetunes_keep_bf16_weights_where_the_optimizer_strea
     assert (cfg.get("pure_bf16") is True) == set_ and bool(note) == set_
     if set_:
         assert "pure_bf16: false" in note
+
+
+def test_trainable_fp32_weights_cast_to_the_load_dtype_frozen_ones_left():
+    """The axolotl plugin's cast: a full finetune's upcast fp32 weights back to bf16 (what the streamed optimizer
+    updates), frozen ones and bf16 ones untouched, the GiB freed counted."""
+    import torch
+
+    from offload_trainer.integrations import cast_trainable_weights
+
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256).to(torch.bfloat16),
+                                torch.nn.Linear(256, 256))
+    model[2].requires_grad_(False)
+    before = model[0].weight.detach().clone()
+    n, gib = cast_trainable_weights(model, torch.bfloat16)
+    assert n == 2 and gib == pytest.approx((256 * 256 + 256) * 2 / 2**30)
+    assert model[0].weight.dtype == model[1].weight.dtype == torch.bfloat16 and model[2].weight.dtype == torch.float32
+    assert torch.equal(model[0].weight.float(), before.to(torch.bfloat16).float())

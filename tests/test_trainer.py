@@ -502,3 +502,26 @@ def test_saves_and_evaluations_are_not_counted_in_tok_per_s(tmp_path, monkeypatc
     tok_s = [h["tok_per_s"] for h in trainer.state.log_history if "loss" in h]
     # the interval of step 4 holds the 2 s save at step 3: counted, its tok/s would be under a fifth of the others
     assert len(tok_s) == 3 and tok_s[1] > 0.4 * min(tok_s[0], tok_s[2])
+
+
+def test_a_model_of_mixed_dtypes_trains_under_the_trainers_autocast(tmp_path):
+    """axolotl's full-finetune layout: bf16 layers, fp32 embeddings, norms and head, under bf16 autocast. Our chunked
+    loss calls the decoder past the model's forward (which accelerate wraps in autocast), so it must enter the same
+    autocast: without it the first matmul mixes fp32 and bf16 and fails. Reference: the stock Trainer's loss."""
+    from transformers import Trainer
+
+    def run(cls):
+        model, tok, train = tiny_setup()
+        model.to(torch.bfloat16)
+        for name, module in model.named_modules():
+            if "norm" in name or name.endswith(("embed_tokens", "lm_head")):
+                module.to(torch.float32)
+        args = TrainingArguments(output_dir=str(tmp_path / cls.__name__), max_steps=2, per_device_train_batch_size=4,
+                                 learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", bf16=True,
+                                 use_cpu=not torch.cuda.is_available())
+        trainer = cls(model=model, args=args, train_dataset=train, processing_class=tok)
+        trainer.train()
+        return losses_of(trainer)
+
+    ours, stock = run(OffloadTrainer), run(Trainer)
+    assert ours[0] == pytest.approx(stock[0], rel=1e-2)

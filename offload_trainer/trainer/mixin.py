@@ -285,11 +285,14 @@ class OffloadMixin:
         decoder, head = parts
         inputs = dict(inputs)
         labels = inputs.pop("labels")
-        hidden = decoder(**inputs, use_cache=False)[0]  # (a cache would also turn off packed rows' masks)
         if not self.model_accepts_loss_kwargs:
             num_items_in_batch = None  # as the Trainer does: the model's loss would be a per-batch mean
-        loss = chunked_causal_lm_loss(hidden, labels, head.weight, head.bias, chunk_size=chunk,
-                                      num_items_in_batch=num_items_in_batch)
+        # The decoder and head are called past the model's forward, which accelerate wraps in the mixed-precision
+        # autocast: without it a model of mixed dtypes (axolotl's fp32 embeddings and norms) fails its first matmul.
+        with self.accelerator.autocast():
+            hidden = decoder(**inputs, use_cache=False)[0]  # (a cache would also turn off packed rows' masks)
+            loss = chunked_causal_lm_loss(hidden, labels, head.weight, head.bias, chunk_size=chunk,
+                                          num_items_in_batch=num_items_in_batch)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # as Trainer.compute_loss: num_items_in_batch counts every rank's tokens, gradients are averaged
             loss = loss * self.accelerator.num_processes
