@@ -77,7 +77,7 @@ def main(paths: list[str]) -> None:
             note = f"back to back {e['window_step_s']} s/step; " + note
         if e.get("launch_thread"):  # (rows without it queued the updates from backward's thread)
             note = "updates queued from the launch thread; " + note
-        if "resident_layers" in e:
+        if "resident_layers" in e and "layers" in e:  # (the integrations bench logs a list per step instead)
             note = (f"{e['resident_layers']}/{e['layers']} layers resident, {e['layers'] - e['resident_layers']} "
                     f"swapped, layer stall {e.get('layer_stall_ms', '-')} ms; ") + note
         if r["gpus"] > 1:

@@ -136,3 +136,43 @@ def test_axolotl_qlora_reinit_weights_with_layer_swap_builds_a_random_base(tmp_p
     assert got, r.stderr[-4000:]
     assert got["swapped"] == 1 and got["q_proj"] == "Linear4bit"
     assert len(got["losses"]) == 6 and all(x == x for x in got["losses"])
+
+
+@pytest.mark.parametrize("cfg, cast", [({}, True), ({"adapter": "lora"}, False), ({"offload_optimizer": False}, False)])
+def test_a_full_finetunes_upcast_weights_go_back_to_bf16_where_the_optimizer_streams(monkeypatch, caplog, cfg, cast):
+    """axolotl upcasts a full finetune's embeddings, head and norms to fp32 (2 GiB more for 8B on a held 24 GB card);
+    on a GPU, where the optimizer streams, the plugin's post_model_load keeps them bf16 and says so. (The GPU is
+    faked: on a CPU the hook leaves the model alone, the Trainer's AdamW runs there.)"""
+    import logging
+
+    import torch
+    from axolotl.utils.dict import DictDefault
+
+    from offload_trainer.integrations.axolotl import OffloadPlugin
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 32).to(torch.bfloat16))
+    with caplog.at_level(logging.INFO, logger="offload_trainer"):
+        OffloadPlugin().post_model_load(DictDefault({"torch_dtype": torch.bfloat16, **cfg}), model)
+    assert (model[0].weight.dtype == torch.bfloat16) == cast
+    assert any("1 trainable fp32 tensors" in r.getMessage() for r in caplog.records) == cast
+
+
+def test_the_finished_model_axolotl_saves_itself_is_written_in_the_trainers_shards(tmp_path):
+    """axolotl writes the finished model with `model.save_pretrained`, past the Trainer's save_model: the plugin gives
+    the model the Trainer's shard size (at transformers' 50 GB default an 8B model was gathered in host memory whole
+    beside the pinned optimizer states: host peak 62 GiB against the command's 49)."""
+    import types
+
+    from helpers import tiny_setup
+    from offload_trainer.integrations.axolotl import OffloadPlugin
+    from offload_trainer.planner import SAVE_SHARD_BYTES
+
+    model, seen = tiny_setup()[0], {}
+    type(model).save_pretrained, real = (lambda self, *a, **k: seen.update(k)), type(model).save_pretrained
+    try:
+        OffloadPlugin().post_trainer_create({}, types.SimpleNamespace(model=model))
+        model.save_pretrained(tmp_path)
+    finally:
+        type(model).save_pretrained = real
+    assert seen["max_shard_size"] == SAVE_SHARD_BYTES

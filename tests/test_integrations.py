@@ -127,3 +127,25 @@ def test_trainable_fp32_weights_cast_to_the_load_dtype_frozen_ones_left():
     assert n == 2 and gib == pytest.approx((256 * 256 + 256) * 2 / 2**30)
     assert model[0].weight.dtype == model[1].weight.dtype == torch.bfloat16 and model[2].weight.dtype == torch.float32
     assert torch.equal(model[0].weight.float(), before.to(torch.bfloat16).float())
+
+
+def test_a_model_keeps_saving_in_shards_across_the_trainers_own_saves(tmp_path):
+    """The axolotl plugin's save seam: axolotl saves the finished model with `model.save_pretrained`, so the model
+    itself carries the Trainer's shard size (a whole 8B model in one default 50 GB shard was gathered in host memory
+    at once); the Trainer's own saves, which set the same seam for their duration, leave it in place."""
+    import json as json_
+
+    from helpers import tiny_setup
+    from offload_trainer.trainer.seams import saving_in_shards, smaller_shards
+
+    model = tiny_setup()[0]
+    model.save_pretrained = ours = saving_in_shards(model, 200_000)
+    with smaller_shards(model, 300_000):
+        assert model.save_pretrained is not ours
+    assert model.save_pretrained is ours
+    model.save_pretrained(tmp_path / "m")
+    index = json_.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    shards = {os.path.getsize(tmp_path / "m" / f) for f in set(index["weight_map"].values())}
+    assert len(shards) > 1 and max(shards) < 2 * 200_000  # (a tensor bigger than the size gets a shard of its own)
+    model.save_pretrained(tmp_path / "whole", max_shard_size="1GB")  # the caller's size still wins
+    assert (tmp_path / "whole" / "model.safetensors").exists()

@@ -160,10 +160,23 @@ class OffloadPlugin(BasePlugin):
 
         n, gib = cast_trainable_weights(model, cfg.torch_dtype)
         if n:
-            logging.getLogger(__name__).info(
+            logging.getLogger("offload_trainer").info(
                 "%d trainable fp32 tensors (axolotl's upcast embeddings, head and norms) kept in %s for the streamed "
                 "optimizer: %.2f GiB less on the GPU (offload_optimizer: false keeps axolotl's fp32)",
                 n, str(cfg.torch_dtype).replace("torch.", ""), gib)
+
+    def post_trainer_create(self, cfg, trainer) -> None:
+        # axolotl saves the finished model with `model.save_pretrained`, past the Trainer's save_model (which writes
+        # shards of SAVE_SHARD_BYTES): at transformers' default shard size an 8B model's 16 GB of weights were
+        # gathered in host memory at once, beside the optimizer's pinned states (host peak 62 GiB against the
+        # command's 49). The model keeps the Trainer's shard size for every save.
+        from transformers import PreTrainedModel
+
+        from ..planner import SAVE_SHARD_BYTES
+        from ..trainer.seams import saving_in_shards
+
+        if isinstance(trainer.model, PreTrainedModel):
+            trainer.model.save_pretrained = saving_in_shards(trainer.model, SAVE_SHARD_BYTES)
 
     def get_input_args(self) -> str:
         return "offload_trainer.integrations.axolotl.OffloadArgs"

@@ -153,7 +153,7 @@ def _train(argv: list[str]) -> None:
 
     note = bf16_weights(cfg, torch.cuda.is_available())
     if note:
-        logging.getLogger(__name__).info(note)
+        logging.getLogger("offload_trainer").info(note)
     with _seams():
         run_exp(cfg)
 

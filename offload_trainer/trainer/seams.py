@@ -19,12 +19,20 @@ from .run_state import RunState
 @contextlib.contextmanager
 def overridden(obj, name: str, fn):
     """Within: `obj.<name>` is `fn` (an attribute of the instance, over its class's method); after, the class's
-    method again. For the seams transformers and accelerate do not offer."""
+    method again (or the instance's own attribute it had before). For the seams transformers and accelerate do not
+    offer."""
+    before = vars(obj).get(name, _NONE)
     setattr(obj, name, fn)
     try:
         yield
     finally:
-        delattr(obj, name)
+        if before is _NONE:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, before)
+
+
+_NONE = object()
 
 
 @contextlib.contextmanager
@@ -37,14 +45,20 @@ def smaller_shards(model, size: str | int):
     if not isinstance(model, PreTrainedModel):
         yield
         return
+    with overridden(model, "save_pretrained", saving_in_shards(model, size)):
+        yield
+
+
+def saving_in_shards(model, size: str | int):
+    """`model.save_pretrained` with shards of at most `size` unless the call says otherwise (transformers' default,
+    50 GB, gathers a whole 8B model's weights in host memory for one shard, beside the optimizer's pinned states)."""
     save = type(model).save_pretrained
 
     def save_pretrained(*args, **kwargs):
         kwargs.setdefault("max_shard_size", size)
         return save(model, *args, **kwargs)
 
-    with overridden(model, "save_pretrained", save_pretrained):
-        yield
+    return save_pretrained
 
 
 @contextlib.contextmanager
