@@ -82,9 +82,10 @@ def chat_rows(n: int, words: int) -> list[dict]:
 
 
 def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, bf16: bool = True,
-            qlora_base: str | None = None) -> None:
+            qlora_base: str | None = None, variants: list[str] = ()) -> None:
     """The dataset and each tool's configuration under `work` (bf16=False: a rehearsal on a CPU, where the Trainer
-    refuses bf16)."""
+    refuses bf16). `variants`: 'NAME=TOOL:KEY=JSON', a run NAME (beginning with TOOL's name) of TOOL's configuration
+    with KEY set, e.g. 'axolotl-nr=axolotl:gradient_checkpointing_kwargs={"use_reentrant": false}'."""
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(work, "bench.json"), "w") as f:  # (what the rows say of the run)
         json.dump({"model": model, "seq": seq, "batch": batch, "steps": steps,
@@ -128,6 +129,13 @@ def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, 
             # (a CPU has no memory to plan for: one layer resident; axolotl's LoRA kernels call CUDA)
             **({} if bf16 else {"layer_swap": "1", "lora_mlp_kernel": False, "lora_qkv_kernel": False,
                                 "lora_o_kernel": False})}
+    for v in variants:
+        name, rest = v.split("=", 1)
+        tool, setting = rest.split(":", 1)
+        key, value = setting.split("=", 1)
+        if not name.startswith(tool):
+            raise SystemExit(f"variant {name!r}: its name begins with its tool's ({tool!r})")
+        configs[name] = {**configs[tool], key: json.loads(value)}
     for tool, cfg in configs.items():
         cfg = {**common, **cfg, "output_dir": os.path.join(work, f"out-{tool}")}
         if tool == "ours-qlora":
@@ -171,7 +179,7 @@ def run_tool(tool: str, work: str) -> None:
         rc = main(["train", cfg_path])
         if rc:
             raise SystemExit(rc)
-    elif tool == "trl":  # a TRL user's script
+    elif tool.startswith("trl"):  # a TRL user's script
         from datasets import load_dataset
 
         from offload_trainer.trl import OffloadSFTConfig, OffloadSFTTrainer
@@ -186,7 +194,7 @@ def run_tool(tool: str, work: str) -> None:
 
         sys.argv = [sys.argv[0]]  # (its own arguments parser reads them)
         do_cli(config=cfg_path)
-    elif tool == "llamafactory":  # python -m offload_trainer.integrations.llamafactory CONFIG
+    elif tool.startswith("llamafactory"):  # python -m offload_trainer.integrations.llamafactory CONFIG
         import runpy
 
         sys.argv = ["offload_trainer.integrations.llamafactory", cfg_path]
@@ -214,7 +222,7 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
     return dict(
         run_id=os.environ.get("RUN_ID", "local"), commit=os.environ.get("COMMIT", "unknown"), machine=machine(),
         model=shape["qlora_model"] if qlora else shape["model"], method="qlora" if qlora else "full",
-        system="offload_trainer" if tool.startswith("ours") else f"{tool.removesuffix('-qlora')}+offload_trainer",
+        system="offload_trainer" if tool in ("ours", "ours-qlora") else f"{tool.removesuffix('-qlora')}+offload_trainer",
         gpus=1, gpu_cap_gib=None, seq_len=seq, micro_batch=batch, grad_accum=1, tokens_per_step=seq * batch,
         tok_per_s=round(statistics.median(r["tok_per_s"] for r in timed), 1) if timed and not error else None,
         step_s_median=round(statistics.median(steps), 3) if steps else None,
@@ -290,8 +298,10 @@ def main() -> None:
     pr.add_argument("--model", default="llama3-8b", help="the shape `base` built (for the rows)")
     pr.add_argument("--qlora-base", help="a config-only base (base --config-only) for axolotl-qlora")
     pr.add_argument("--cpu", action="store_true", help="a rehearsal on a CPU: bf16 off where the tools ask for it")
+    pr.add_argument("--variant", action="append", default=[], metavar="NAME=TOOL:KEY=JSON",
+                    help="a run NAME (beginning with TOOL) of TOOL's configuration with KEY set")
     r = sub.add_parser("run")
-    r.add_argument("tool", choices=TOOLS)
+    r.add_argument("tool", help=f"{', '.join(TOOLS)}, or a variant's name")
     r.add_argument("work")
     r.add_argument("--out")
     r.add_argument("--skip", type=int, default=3, help="logs left out of the median (compile, warm-up)")
@@ -301,7 +311,8 @@ def main() -> None:
     if a.cmd == "base":
         make_base(a.dir, a.model, a.config_only)
     elif a.cmd == "prepare":
-        prepare(a.base, a.work, a.seq, a.batch, a.steps, a.model, bf16=not a.cpu, qlora_base=a.qlora_base)
+        prepare(a.base, a.work, a.seq, a.batch, a.steps, a.model, bf16=not a.cpu, qlora_base=a.qlora_base,
+                variants=a.variant)
     elif a.cmd == "run":
         run(a.tool, a.work, a.out, a.skip)
     else:

@@ -4,6 +4,8 @@
 #   bash bench/integrations.sh OUT.jsonl "ours trl llamafactory"        (carry .whl .whl-trl .whl-llamafactory .gpu)
 #   bash bench/integrations.sh OUT.jsonl "ours axolotl"                 (carry .whl .whl-axolotl .whl-bnb .gpu)
 #   QLORA=llama3-70b bash bench/integrations.sh OUT.jsonl "ours-qlora axolotl-qlora"   (same carry as axolotl)
+#   VARIANTS='axolotl-nr=axolotl:gradient_checkpointing_kwargs={"use_reentrant": false}' \
+#     bash bench/integrations.sh OUT.jsonl "ours axolotl axolotl-nr"   (a tool's config with one key changed; ';' between)
 # Full finetunes share one Llama-3-8B-shaped checkpoint (MODEL) and chat dataset, 4 x 2048 tokens a step (BATCH, SEQ),
 # STEPS steps (10); the QLoRA pair a random-init base of the QLORA shape built block by block (no checkpoint: a 70B one
 # does not fit the machine's disk), 1 x SEQ. Wheels: ../shared/gpu/fetch-wheels.sh (.whl), scripts/device_wheels.sh.
@@ -15,21 +17,22 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 AXOLOTL_DO_NOT_TRACK=1 DO_NOT_TRAC
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl; }
 install .whl /tmp/site || exit 1
 if [ -d .whl-bnb ]; then install .whl-bnb /tmp/site || exit 1; fi
-for t in $tools; do t=${t%-qlora}; if [ -d ".whl-$t" ] && [ ! -d "/tmp/site-$t" ]; then install ".whl-$t" "/tmp/site-$t" || exit 1; fi; done
+for t in $tools; do t=${t%%-*}; if [ -d ".whl-$t" ] && [ ! -d "/tmp/site-$t" ]; then install ".whl-$t" "/tmp/site-$t" || exit 1; fi; done
 base=/tmp/ib-base qbase=/tmp/ib-qbase work=/tmp/ib-work
 py() { PYTHONPATH=/tmp/site:$PWD python3 bench/integrations.py "$@"; }
 case " $tools " in *" ours "*|*" trl "*|*" axolotl "*|*" llamafactory "*) py base $base --model "${MODEL:-llama3-8b}" || exit 1;; esac
 [ -n "${QLORA:-}" ] && { py base $qbase --model "$QLORA" --config-only || exit 1; }
 mkdir -p $base
+variants=(); IFS=';' read -ra vs <<< "${VARIANTS:-}"; for v in "${vs[@]}"; do variants+=(--variant "$v"); done
 py prepare $base $work --model "${MODEL:-llama3-8b}" --seq "${SEQ:-2048}" --batch "${BATCH:-4}" \
-  --steps "${STEPS:-10}" ${QLORA:+--qlora-base $qbase} ${CPU:+--cpu} || exit 1
+  --steps "${STEPS:-10}" ${QLORA:+--qlora-base $qbase} ${CPU:+--cpu} "${variants[@]}" || exit 1
 python3 .gpu/hold_gpu_memory.py 23.5 --seconds 3000 > /tmp/hold.log 2>&1 &
 hold=$!
 for _ in $(seq 60); do grep -q READY /tmp/hold.log && break; sleep 1; done
 cat /tmp/hold.log
 for t in $tools; do
   echo "=== $t ($(date +%T))"
-  PYTHONPATH=/tmp/site-${t%-qlora}:/tmp/site:$PWD timeout "${ROW_TIMEOUT:-240}" python3 bench/integrations.py run "$t" \
+  PYTHONPATH=/tmp/site-${t%%-*}:/tmp/site:$PWD timeout "${ROW_TIMEOUT:-240}" python3 bench/integrations.py run "$t" \
     $work --out "$out" 2>&1 | grep -v "it/s]\|s/it]" || echo "row failed: $t"
   rm -rf "$work/out-$t"
 done
