@@ -11,10 +11,11 @@ every log the Trainer writes is kept (with the allocator's peak at that moment),
 
 The same settings everywhere, named in each tool's own keys: the step (batch x seq, every row truncated to seq, so
 every tool trains the same tokens per step), bf16 weights, gradient checkpointing, learning rate, seed, logging every
-step, no saves, our `offload_optimizer: true`. Left at each tool's default: max_grad_norm (1.0 in all four), the
-scheduler, warmup, its chat template handling (each reads the tokenizer's template, which marks the assistant's turns;
-LLaMA-Factory parses it into its own template format), truncation. tok/s and memory come from our
-logs, which every tool gets through OffloadMixin (tok/s counts the tokens each step trained on).
+step, no saves, our `offload_optimizer: true`, the same order of rows (axolotl's extra shuffle off). Left at each
+tool's default: max_grad_norm (1.0 in all four), the scheduler, warmup, its chat template handling (each reads the
+tokenizer's template, which marks the assistant's turns; LLaMA-Factory parses it into its own template format),
+truncation, gradient checkpointing's mode. tok/s and memory come from our logs, which every tool gets through
+OffloadMixin (tok/s counts the tokens each step trained on).
 """
 from __future__ import annotations
 
@@ -110,7 +111,10 @@ def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, 
                                   "field_messages": "messages", "roles_to_train": ["assistant"]}],
                     "chat_template": "tokenizer_default", "sequence_len": seq, "excess_length_strategy": "truncate",
                     "dataset_prepared_path": os.path.join(work, "axolotl-prepared"), "val_set_size": 0,
-                    "micro_batch_size": batch, "bf16": bf16, "gradient_checkpointing": True},
+                    "micro_batch_size": batch, "bf16": bf16, "gradient_checkpointing": True,
+                    # (axolotl shuffles the dataset once more before the Trainer's seeded sampler: off, every tool
+                    # sees the same rows in the same order -- data order only, not a speed setting)
+                    "shuffle_merged_datasets": False},
         "llamafactory": {"model_name_or_path": base, "stage": "sft", "do_train": True, "finetuning_type": "full",
                          "dataset": "chat", "dataset_dir": work, "cutoff_len": seq,
                          "overwrite_cache": True, "bf16": bf16, "gradient_checkpointing": True},
@@ -222,7 +226,8 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
     return dict(
         run_id=os.environ.get("RUN_ID", "local"), commit=os.environ.get("COMMIT", "unknown"), machine=machine(),
         model=shape["qlora_model"] if qlora else shape["model"], method="qlora" if qlora else "full",
-        system="offload_trainer" if tool in ("ours", "ours-qlora") else f"{tool.removesuffix('-qlora')}+offload_trainer",
+        system=("offload_trainer" if tool in ("ours", "ours-qlora")
+                else f"{tool.removesuffix('-qlora')}+offload_trainer"),
         gpus=1, gpu_cap_gib=None, seq_len=seq, micro_batch=batch, grad_accum=1, tokens_per_step=seq * batch,
         tok_per_s=round(statistics.median(r["tok_per_s"] for r in timed), 1) if timed and not error else None,
         step_s_median=round(statistics.median(steps), 3) if steps else None,
