@@ -6,7 +6,9 @@ Through axolotl's plugin API (`axolotl.integrations.base.BasePlugin`): our keys 
 axolotl builds gets the offload wiring (`get_trainer_cls`: `OffloadMixin` before axolotl's own `AxolotlTrainer`).
 axolotl's own offloading (DeepSpeed / FSDP offload, `activation_offloading`, `layer_offloading`, gradient
 checkpointing to CPU) would move the same tensors a second way: the config is refused, naming what to turn off.
-QLoRA (`load_in_4bit`) with our `layer_swap`: the one seam into axolotl's model loading (`_take_over_4bit_build`).
+Two seams into axolotl, each with its reason where it is made: QLoRA (`load_in_4bit`) with our `layer_swap` builds the
+base our way (`_take_over_4bit_build`), and the model axolotl saves itself at the end keeps the Trainer's shard size
+(`post_trainer_create`). A full finetune's trainable weights stay in the load dtype (`post_model_load`).
 Needs `pip install 'offload-trainer[axolotl]'` (axolotl pins its own transformers / peft / trl / datasets: use a
 virtual environment of its own).
 """
@@ -146,9 +148,9 @@ class OffloadPlugin(BasePlugin):
             _take_over_4bit_build()
 
     def post_model_load(self, cfg, model) -> None:
-        # axolotl upcasts a full finetune's embeddings, LM head and norms to fp32 under bf16 autocast (2 GiB more for
-        # an 8B model: past a held 24 GB card); the streamed optimizer updates bf16 weights with stochastic rounding,
-        # as offload-trainer train does.
+        # axolotl upcasts a full finetune's embeddings, LM head and norms to fp32 under bf16 autocast: 2 GiB more for
+        # an 8B model, where the plan leaves 1 GiB of a held 24 GB card. The streamed optimizer updates bf16 weights
+        # with stochastic rounding, as offload-trainer train does.
         import logging
 
         import torch
