@@ -138,7 +138,8 @@ def test_axolotl_qlora_reinit_weights_with_layer_swap_builds_a_random_base(tmp_p
     assert len(got["losses"]) == 6 and all(x == x for x in got["losses"])
 
 
-@pytest.mark.parametrize("cfg, cast", [({}, True), ({"adapter": "lora"}, False), ({"offload_optimizer": False}, False)])
+@pytest.mark.parametrize("cfg, cast", [({}, True), ({"adapter": "lora"}, False), ({"offload_optimizer": False}, False),
+                                       ({"optimizer": "sgd"}, False)])
 def test_a_full_finetunes_upcast_weights_go_back_to_bf16_where_the_optimizer_streams(monkeypatch, caplog, cfg, cast):
     """axolotl upcasts a full finetune's embeddings, head and norms to fp32 (2 GiB more for 8B on a held 24 GB card);
     on a GPU, where the optimizer streams, the plugin's post_model_load keeps them bf16 and says so. (The GPU is

@@ -1,6 +1,15 @@
 """Entry points for the tools fine-tuners already run (axolotl, LLaMA-Factory). Each imports its tool only when used."""
 
 
+def optimizer_will_stream(*, on_gpu: bool, full_finetune: bool, offload_optimizer, optim) -> bool:
+    """Whether the streamed optimizer will update a full finetune's weights, read from a tool's config before its
+    model loads (the Trainer, which decides it with trainer/args.py's `streams_optimizer`, does not exist yet): a GPU,
+    every weight training (LoRA keeps the Trainer's AdamW), offload_optimizer not false, an AdamW `optim`."""
+    from ..trainer.args import ADAMW_NAMES
+
+    return on_gpu and full_finetune and offload_optimizer is not False and str(optim) in ADAMW_NAMES
+
+
 def cast_trainable_weights(model, dtype) -> tuple[int, float]:
     """Cast the model's trainable fp32 weights to `dtype` (bf16) in place, where a tool upcasts them for its own
     mixed precision (axolotl: embeddings, head and norms of a full finetune) but the streamed optimizer keeps the

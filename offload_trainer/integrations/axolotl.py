@@ -151,14 +151,18 @@ class OffloadPlugin(BasePlugin):
         # axolotl upcasts a full finetune's embeddings, LM head and norms to fp32 under bf16 autocast: 2 GiB more for
         # an 8B model, where the plan leaves 1 GiB of a held 24 GB card. The streamed optimizer updates bf16 weights
         # with stochastic rounding, as offload-trainer train does.
+        # (Cast here, before the Trainer and its layer swap exist: the swap keeps pinned copies of the weights.)
         import logging
 
         import torch
 
-        if (cfg.get("adapter") or not torch.cuda.is_available() or cfg.get("offload_optimizer") is False
-                or cfg.torch_dtype not in (torch.bfloat16, torch.float16)):
+        from . import cast_trainable_weights, optimizer_will_stream
+
+        streams = optimizer_will_stream(on_gpu=torch.cuda.is_available(), full_finetune=not cfg.get("adapter"),
+                                        offload_optimizer=cfg.get("offload_optimizer"),
+                                        optim=cfg.get("optimizer") or "adamw_torch_fused")  # (axolotl's default)
+        if not streams or cfg.torch_dtype not in (torch.bfloat16, torch.float16):
             return
-        from . import cast_trainable_weights
 
         n, gib = cast_trainable_weights(model, cfg.torch_dtype)
         if n:

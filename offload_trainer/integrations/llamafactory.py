@@ -107,11 +107,12 @@ def bf16_weights(cfg: dict[str, Any], on_gpu: bool) -> str | None:
     stochastically (`master_weights`), as `offload-trainer train` and the axolotl plugin do. Returns the log line, or
     None where nothing changes: LoRA (small adapters, upcast as LLaMA-Factory does), no GPU (LLaMA-Factory refuses
     pure_bf16 there and the Trainer's AdamW runs), fp32 / fp16 runs, offload_optimizer: false, or pure_bf16 given."""
-    from ..trainer.args import ADAMW_NAMES
+    from . import optimizer_will_stream
 
-    if (not on_gpu or "pure_bf16" in cfg or not cfg.get("bf16") or cfg.get("fp16")
-            or cfg.get("finetuning_type", "lora") not in ("full", "freeze") or cfg.get("offload_optimizer") is False
-            or cfg.get("optim", "adamw_torch") not in ADAMW_NAMES):
+    full = cfg.get("finetuning_type", "lora") in ("full", "freeze")  # (LoRA, LLaMA-Factory's default, upcasts adapters)
+    streams = optimizer_will_stream(on_gpu=on_gpu, full_finetune=full, offload_optimizer=cfg.get("offload_optimizer"),
+                                    optim=cfg.get("optim", "adamw_torch"))
+    if not streams or "pure_bf16" in cfg or not cfg.get("bf16") or cfg.get("fp16"):
         return None
     cfg["pure_bf16"] = True
     return ("pure_bf16: true (the streamed optimizer updates bf16 weights with stochastic rounding, as "
