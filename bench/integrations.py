@@ -86,7 +86,7 @@ def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, 
             qlora_base: str | None = None, variants: list[str] = ()) -> None:
     """The dataset and each tool's configuration under `work` (bf16=False: a rehearsal on a CPU, where the Trainer
     refuses bf16). `variants`: 'NAME=TOOL:KEY=JSON', a run NAME (beginning with TOOL's name) of TOOL's configuration
-    with KEY set, e.g. 'axolotl-nr=axolotl:gradient_checkpointing_kwargs={"use_reentrant": false}'."""
+    with KEY set, e.g. 'axolotl-re=axolotl:gradient_checkpointing_kwargs={"use_reentrant": true}'."""
     os.makedirs(work, exist_ok=True)
     with open(os.path.join(work, "bench.json"), "w") as f:  # (what the rows say of the run)
         json.dump({"model": model, "seq": seq, "batch": batch, "steps": steps,

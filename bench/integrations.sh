@@ -4,8 +4,8 @@
 #   bash bench/integrations.sh OUT.jsonl "ours trl llamafactory"        (carry .whl .whl-trl .whl-llamafactory .gpu)
 #   bash bench/integrations.sh OUT.jsonl "ours axolotl"                 (carry .whl .whl-axolotl .whl-bnb .gpu)
 #   QLORA=llama3-70b bash bench/integrations.sh OUT.jsonl "ours-qlora axolotl-qlora"   (same carry as axolotl)
-#   VARIANTS='axolotl-nr=axolotl:gradient_checkpointing_kwargs={"use_reentrant": false}' \
-#     bash bench/integrations.sh OUT.jsonl "ours axolotl axolotl-nr"   (a tool's config with one key changed; ';' between)
+#   VARIANTS='axolotl-re=axolotl:gradient_checkpointing_kwargs={"use_reentrant": true}' \
+#     bash bench/integrations.sh OUT.jsonl "ours axolotl axolotl-re"   (a tool's config with one key changed; ';' between)
 # Full finetunes share one Llama-3-8B-shaped checkpoint (MODEL) and chat dataset, 4 x 2048 tokens a step (BATCH, SEQ),
 # STEPS steps (10); the QLoRA pair a random-init base of the QLORA shape built block by block (no checkpoint: a 70B one
 # does not fit the machine's disk), 1 x SEQ. Wheels: ../shared/gpu/fetch-wheels.sh (.whl), scripts/device_wheels.sh.

@@ -105,6 +105,17 @@ def test_axolotl_offloading_of_its_own_is_refused_by_name(tmp_path, extra, needl
     assert needle in str(e.value)
 
 
+@pytest.mark.parametrize("given, reentrant", [(None, False), ({"use_reentrant": True}, True)])
+def test_checkpointing_is_non_reentrant_unless_the_config_says(tmp_path, given, reentrant):
+    """axolotl resolves a config without gradient_checkpointing_kwargs to reentrant checkpointing; with the plugin it
+    is transformers' non-reentrant default, as `offload-trainer train` runs it. A config's own choice stays."""
+    from axolotl.cli.config import load_cfg
+
+    extra = {"gradient_checkpointing": True, **({"gradient_checkpointing_kwargs": given} if given else {})}
+    cfg = load_cfg(str(write_case(tmp_path, **extra)))
+    assert cfg.gradient_checkpointing_kwargs == {"use_reentrant": reentrant}
+
+
 QLORA = {"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
          "lora_target_linear": True, "gradient_checkpointing": True,
          # axolotl's fused LoRA kernels dequantize with CUDA calls only

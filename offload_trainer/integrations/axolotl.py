@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import typing
 from typing import Any, Optional
 
@@ -51,14 +52,29 @@ def _clashes(data: dict) -> list[str]:
     return found
 
 
+def _checkpointing_kwargs(data: dict) -> dict:
+    """Non-reentrant checkpointing where the config leaves it to axolotl, which would pick reentrant (its
+    normalize_config, for a config without `gradient_checkpointing_kwargs`): `offload-trainer train` and TRL run
+    transformers' non-reentrant default, and the same gradients came out slower under reentrant recompute on a held
+    24 GB card (bench/results/README.md, "Integrations"). A config that sets the kwargs keeps them."""
+    if data.get("gradient_checkpointing") is True and data.get("gradient_checkpointing_kwargs") is None:
+        logging.getLogger("offload_trainer").info(
+            "gradient_checkpointing_kwargs: {use_reentrant: false} (offload-trainer train's checkpointing; set "
+            "gradient_checkpointing_kwargs to choose)")
+        return {**data, "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    return data
+
+
 class _NoOtherOffload(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def no_other_offloading(cls, data):
-        found = _clashes(data) if isinstance(data, dict) else []
+        if not isinstance(data, dict):
+            return data
+        found = _clashes(data)
         if found:
             raise ValueError("offload_trainer's plugin cannot run with: " + "; ".join(found))
-        return data
+        return _checkpointing_kwargs(data)
 
 
 def _input_model() -> type[BaseModel]:
@@ -132,8 +148,6 @@ class OffloadPlugin(BasePlugin):
     """axolotl plugin: the offload wiring on axolotl's SFT trainer."""
 
     def register(self, cfg) -> None:
-        import logging
-
         from ..cli.main import show_our_log_lines
 
         show_our_log_lines()
@@ -152,8 +166,6 @@ class OffloadPlugin(BasePlugin):
         # an 8B model, where the plan leaves 1 GiB of a held 24 GB card. The streamed optimizer updates bf16 weights
         # with stochastic rounding, as offload-trainer train does.
         # (Cast here, before the Trainer and its layer swap exist: the swap keeps pinned copies of the weights.)
-        import logging
-
         import torch
 
         from . import cast_trainable_weights, optimizer_will_stream
