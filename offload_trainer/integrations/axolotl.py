@@ -148,10 +148,9 @@ class OffloadPlugin(BasePlugin):
     """axolotl plugin: the offload wiring on axolotl's SFT trainer."""
 
     def register(self, cfg) -> None:
-        from ..cli.main import show_our_log_lines, use_expandable_segments
+        from ..cli.main import show_our_log_lines
 
         show_our_log_lines()
-        use_expandable_segments()  # as the command and the LLaMA-Factory launcher run (before axolotl's model load)
         # axolotl's logger class gives every other library's logger a filter dropping records below WARNING (its
         # LOG_LEVEL); ours made after axolotl's import carries it: our level decides instead, as everywhere else
         ours = logging.getLogger("offload_trainer")
