@@ -28,7 +28,10 @@ CASES = [
     ("Qwen2.5-14B 8 x 2048, layer swap", "2026-12-01-s38.json", "20261201-s38c", "offload_trainer_cli_noclip", 2048, 17),
     ("Llama-3-70B QLoRA 1 x 2048", "2026-12-01-s33c-qlora70b.json", "20261201-s33c", "offload_trainer_cli_qlora", 2048,
      29),
-    ("Llama-3.2-90B-Vision QLoRA 1 x 2048", "2026-12-01-s34.json", "20261201-s34d", "offload_trainer_cli", 2048, 4),
+    ("Llama-3.2-90B-Vision QLoRA 1 x 2048, auto", "2026-12-02-s45.json", "20261202-s45b", "offload_trainer_cli", 2048,
+     "final"),
+    ("Llama-3.2-11B-Vision full FT 2 x 2048", "2026-12-02-s45.json", "20261202-s45b", "offload_trainer_cli_noclip",
+     2048, "final"),
     ("Llama-3.1-8B 1 x 16384", "2026-12-02-s39.json", "20261202-s39a", "offload_trainer_cli", 16384, "final"),
     ("Llama-3.1-8B 1 x 32768", "2026-12-02-s39.json", "20261202-s39a", "offload_trainer_cli", 32768, "final"),
     ("Llama-3.1-8B 1 x 65536, tiled MLP", "2026-12-02-s39.json", "20261202-s39c", "offload_trainer_cli", 65536,
@@ -73,9 +76,12 @@ def table() -> list[dict]:
     out = []
     for label, fname, run_id, system, seq, resident in CASES:
         row = find_row(fname, run_id, system, seq)
+        start = resident
         if resident == "final":
-            resident = row["extra"]["resident_layers"]["final"]
+            start, resident = (row["extra"]["resident_layers"][k] for k in ("planned", "final"))
         p = predict(row, resident)
+        if start != resident:  # the host peak is a high-water mark: layer swap pinned the starting count's layers
+            p["host"] = max(p["host"], predict(row, start)["host"])
         retries = (row["extra"].get("allocator") or {}).get("num_alloc_retries") or 0
         out.append(dict(label=label, run=run_id, row=row, pred=p, retries=retries,
                         gpu_ok=within(p["gpu"], row["peak_reserved_gib"]),

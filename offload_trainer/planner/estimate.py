@@ -103,9 +103,10 @@ def _gpu_phase(x) -> None:
     if x.weight_bits == 4:
         layer_ws += 2 * h * inter  # the largest weight, dequantized for its matmul
     if s.cross_layers:
-        # SDPA with the image mask runs the math kernel: the (heads x tokens x image tokens) scores are materialised,
-        # ~4 bf16 copies in the recompute + backward of a cross-attention layer (measured: 90B Vision, 1 x 2048)
-        layer_ws += 4 * s.heads * T * s.cross_tokens * wb
+        # the (heads x tokens x image tokens) attention scores of a cross-attention layer, about one bf16 copy live
+        # at its recompute + backward (measured over the first steps at two resident counts each: 90B-Vision QLoRA
+        # 1 x 2048 and 11B-Vision full 2 x 2048, the frozen tower run without autograd)
+        layer_ws += s.heads * T * s.cross_tokens * wb
     layer_grads = wb * s.layer_params if not x.lora else 0
     x.grads_wait = x.clip or x.accum > 1  # gradients outlive their backward: until the norm, or the next micro-batch
     _gradients_kept(x)
