@@ -113,8 +113,9 @@ def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, 
                     "dataset_prepared_path": os.path.join(work, "axolotl-prepared"), "val_set_size": 0,
                     "micro_batch_size": batch, "bf16": bf16, "gradient_checkpointing": True,
                     # (axolotl shuffles the dataset once more before the Trainer's seeded sampler: off, every tool
-                    # sees the same rows in the same order -- data order only, not a speed setting)
-                    "shuffle_merged_datasets": False},
+                    # sees the same rows in the same order; and its default schedule is cosine, the Trainer's linear:
+                    # the others' -- the course only, not a speed setting)
+                    "shuffle_merged_datasets": False, "lr_scheduler": "linear"},
         "llamafactory": {"model_name_or_path": base, "stage": "sft", "do_train": True, "finetuning_type": "full",
                          "dataset": "chat", "dataset_dir": work, "cutoff_len": seq,
                          "overwrite_cache": True, "bf16": bf16, "gradient_checkpointing": True},
