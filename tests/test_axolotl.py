@@ -116,6 +116,24 @@ def test_checkpointing_is_non_reentrant_unless_the_config_says(tmp_path, given, 
     assert cfg.gradient_checkpointing_kwargs == {"use_reentrant": reentrant}
 
 
+@pytest.mark.parametrize("cfg, refused", [({"sample_packing": True, "model_config_type": "gemma3"}, True),
+                                           ({"sample_packing": True, "model_config_type": "llama"}, False),
+                                           ({"sample_packing": False, "model_config_type": "gemma3"}, False)])
+def test_packed_gemma_rows_are_refused_by_name(cfg, refused):
+    """axolotl's compute_loss drops a packed Gemma 3/4 batch's all-ones attention mask (so that transformers masks each
+    row on its own); the plugin's loss runs before it, so that combination is refused before the model loads rather
+    than trained with rows attending to each other."""
+    from axolotl.utils.dict import DictDefault
+
+    from offload_trainer.integrations.axolotl import OffloadPlugin
+
+    if refused:
+        with pytest.raises(ValueError, match="cannot run sample_packing with gemma3 yet: set sample_packing: false"):
+            OffloadPlugin().pre_model_load(DictDefault(cfg))
+    else:
+        OffloadPlugin().pre_model_load(DictDefault(cfg))
+
+
 QLORA = {"adapter": "qlora", "load_in_4bit": True, "lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0,
          "lora_target_linear": True, "gradient_checkpointing": True,
          # axolotl's fused LoRA kernels dequantize with CUDA calls only

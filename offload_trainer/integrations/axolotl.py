@@ -41,6 +41,10 @@ _CLASHES = {
 }
 
 
+# Models whose packed batches axolotl's compute_loss prepares itself (AxolotlTrainer.compute_loss)
+_PACKED_MASK_MODELS = ("gemma3", "gemma4", "gemma4_unified")
+
+
 def _clashes(data: dict) -> list[str]:
     found = [f"{k}: {fix}" for k, fix in _CLASHES.items() if data.get(k)]
     if data.get("gradient_checkpointing") in ("offload", "offload_disk"):
@@ -158,6 +162,12 @@ class OffloadPlugin(BasePlugin):
             ours.removeFilter(f)
 
     def pre_model_load(self, cfg) -> None:
+        # Our chunked loss runs in OffloadMixin.compute_loss, before AxolotlTrainer's: for packed rows of these models
+        # axolotl drops the all-ones attention mask there so that transformers builds per-row causal masks. Without
+        # that the packed rows would attend to each other, silently: refused until the loss runs below axolotl's.
+        if cfg.get("sample_packing") and cfg.get("model_config_type") in _PACKED_MASK_MODELS:
+            raise ValueError(f"offload_trainer's plugin cannot run sample_packing with {cfg['model_config_type']} "
+                             "yet: set sample_packing: false (or remove the plugin)")
         if _builds_4bit_layer_by_layer(cfg):
             _take_over_4bit_build()
 
