@@ -11,11 +11,11 @@ every log the Trainer writes is kept (with the allocator's peak at that moment),
 
 The same settings everywhere, named in each tool's own keys: the step (batch x seq, every row truncated to seq, so
 every tool trains the same tokens per step), bf16 weights, gradient checkpointing, learning rate, seed, logging every
-step, no saves, our `offload_optimizer: true`, the same order of rows (axolotl's extra shuffle off). Left at each
-tool's default: max_grad_norm (1.0 in all four), the scheduler, warmup, its chat template handling (each reads the
-tokenizer's template, which marks the assistant's turns; LLaMA-Factory parses it into its own template format),
-truncation, gradient checkpointing's mode. tok/s and memory come from our logs, which every tool gets through
-OffloadMixin (tok/s counts the tokens each step trained on).
+step, no saves, our `offload_optimizer: true`, the same order of rows (axolotl's extra shuffle off), the Trainer's
+linear schedule (axolotl's default is cosine). Left at each tool's default: max_grad_norm (1.0 in all four), warmup,
+its chat template handling (each reads the tokenizer's template, which marks the assistant's turns; LLaMA-Factory
+parses it into its own template format), truncation, gradient checkpointing's mode. tok/s and memory come from our
+logs, which every tool gets through OffloadMixin (tok/s counts the tokens each step trained on).
 """
 from __future__ import annotations
 
@@ -88,9 +88,12 @@ def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, 
     refuses bf16). `variants`: 'NAME=TOOL:KEY=JSON', a run NAME (beginning with TOOL's name) of TOOL's configuration
     with KEY set, e.g. 'axolotl-re=axolotl:gradient_checkpointing_kwargs={"use_reentrant": true}'."""
     os.makedirs(work, exist_ok=True)
+    qlora_model = None
+    if qlora_base:
+        with open(os.path.join(qlora_base, "bench_model.json")) as f:
+            qlora_model = json.load(f)
     with open(os.path.join(work, "bench.json"), "w") as f:  # (what the rows say of the run)
-        json.dump({"model": model, "seq": seq, "batch": batch, "steps": steps,
-                   "qlora_model": qlora_base and json.load(open(os.path.join(qlora_base, "bench_model.json")))}, f)
+        json.dump({"model": model, "seq": seq, "batch": batch, "steps": steps, "qlora_model": qlora_model}, f)
     data = os.path.join(work, "chat.jsonl")
     with open(data, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in chat_rows(batch * steps, 2 * seq))
@@ -121,7 +124,6 @@ def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, 
                          "overwrite_cache": True, "bf16": bf16, "gradient_checkpointing": True},
     }
     if qlora_base:  # QLoRA of a random-init base bigger than the card, with our layer swap: the command's and axolotl's
-        qlora_model = json.load(open(os.path.join(qlora_base, "bench_model.json")))
         configs["ours-qlora"] = {
             **configs["ours"], "model_name_or_path": None, "model_config": qlora_model,
             "tokenizer_name_or_path": qlora_base, "load_in_4bit": True, "lora_r": 16, "lora_alpha": 32,

@@ -52,8 +52,8 @@ def find_row(fname: str, run_id: str, system: str, seq: int) -> dict:
     return rows[-1]
 
 
-def predict(row: dict, resident) -> dict:
-    """The plan of the row's command, at `resident` layers."""
+def predict(row: dict, *counts) -> list[dict]:
+    """The plan of the row's command, at each of `counts` resident layers (None: the plan's own count)."""
     from offload_trainer.cli.config import load_config, parse_args
     from offload_trainer.models import architecture_config
     from offload_trainer.planner import plan_at_resident, plan_for_run
@@ -65,11 +65,12 @@ def predict(row: dict, resident) -> dict:
     settings = OffloadSettings.from_args(args)
     cfg = architecture_config(row["model"] if not row["model"].startswith("/") else model_args.model_config)
     seq = data_args.max_seq_length
-    # the switches the run's plan decided (on the held card), then that plan at the resident count the run ended with
-    p = plan_for_run(settings, cfg, seq, host_gb=HOST_GIB, gpu_gb=HELD_GIB, model_args=model_args)
-    if resident is not None and resident != p.resident_layers:
-        p = plan_at_resident(p, settings, cfg, seq, resident, model_args=model_args)
-    return dict(gpu=p.gpu_peak_gib, host=p.host_peak_gib, resident=p.resident_layers, layers=p.layers)
+    # the switches the run's plan decided (on the held card), then that plan at each resident count the run ran with
+    run_plan = plan_for_run(settings, cfg, seq, host_gb=HOST_GIB, gpu_gb=HELD_GIB, model_args=model_args)
+    plans = {n: run_plan if n is None or n == run_plan.resident_layers else
+             plan_at_resident(run_plan, settings, cfg, seq, n, model_args=model_args) for n in set(counts)}
+    return [dict(gpu=p.gpu_peak_gib, host=p.host_peak_gib, resident=p.resident_layers, layers=p.layers)
+            for p in map(plans.get, counts)]
 
 
 def within(pred: float, meas: float) -> bool:
@@ -83,9 +84,9 @@ def table() -> list[dict]:
         start = resident
         if resident == "final":
             start, resident = (row["extra"]["resident_layers"][k] for k in ("planned", "final"))
-        p = predict(row, resident)
-        if start != resident:  # the host peak is a high-water mark: layer swap pinned the starting count's layers
-            p["host"] = max(p["host"], predict(row, start)["host"])
+        p, at_start = predict(row, resident, start)
+        # the host peak is a high-water mark: layer swap pinned the starting count's layers first
+        p["host"] = max(p["host"], at_start["host"])
         retries = (row["extra"].get("allocator") or {}).get("num_alloc_retries") or 0
         out.append(dict(label=label, run=run_id, row=row, pred=p, retries=retries,
                         gpu_ok=within(p["gpu"], row["peak_reserved_gib"]),
