@@ -86,7 +86,8 @@ def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, 
             qlora_base: str | None = None, variants: list[str] = ()) -> None:
     """The dataset and each tool's configuration under `work` (bf16=False: a rehearsal on a CPU, where the Trainer
     refuses bf16). `variants`: 'NAME=TOOL:KEY=JSON', a run NAME (beginning with TOOL's name) of TOOL's configuration
-    with KEY set, e.g. 'axolotl-re=axolotl:gradient_checkpointing_kwargs={"use_reentrant": true}'."""
+    with KEY set, e.g. 'axolotl-re=axolotl:gradient_checkpointing_kwargs={"use_reentrant": true}' ('NAME=TOOL': as
+    it is)."""
     os.makedirs(work, exist_ok=True)
     qlora_model = None
     if qlora_base:
@@ -136,13 +137,15 @@ def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, 
             # (a CPU has no memory to plan for: one layer resident; axolotl's LoRA kernels call CUDA)
             **({} if bf16 else {"layer_swap": "1", "lora_mlp_kernel": False, "lora_qkv_kernel": False,
                                 "lora_o_kernel": False})}
-    for v in variants:
+    for v in variants:  # 'NAME=TOOL' alone: TOOL's configuration as it is (a run under another environment)
         name, rest = v.split("=", 1)
-        tool, setting = rest.split(":", 1)
-        key, value = setting.split("=", 1)
+        tool, _, setting = rest.partition(":")
         if not name.startswith(tool):
             raise SystemExit(f"variant {name!r}: its name begins with its tool's ({tool!r})")
-        configs[name] = {**configs[tool], key: json.loads(value)}
+        configs[name] = dict(configs[tool])
+        if setting:
+            key, value = setting.split("=", 1)
+            configs[name][key] = json.loads(value)
     for tool, cfg in configs.items():
         cfg = {**common, **cfg, "output_dir": os.path.join(work, f"out-{tool}")}
         if tool == "ours-qlora":
@@ -196,7 +199,8 @@ def run_tool(tool: str, work: str) -> None:
         trainer = OffloadSFTTrainer(model=model, args=OffloadSFTConfig(**cfg),
                                     train_dataset=load_dataset("json", data_files=data, split="train"))
         trainer.train()
-    elif tool.startswith("axolotl"):  # `axolotl train CONFIG` with the python launcher: axolotl.cli.train's entry point
+    elif tool.startswith("axolotl"):  # `axolotl train CONFIG`: what its launcher runs in the training process (the
+        # environment it sets first: launcher_env)
         from axolotl.cli.train import do_cli
 
         sys.argv = [sys.argv[0]]  # (its own arguments parser reads them)
@@ -248,10 +252,24 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
                "gpu_peak_gib_logged": max((r.get("gpu_peak_gib", 0.0) for r in train), default=None),
                "clip_rate": [r.get("clip_rate") for r in train if "clip_rate" in r][-1:],
                "logged_keys": sorted({k for r in train for k in r if not k.startswith("_")}),
+               "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
                "wall_s": round(wall_s, 1)})
 
 
+def launcher_env(tool: str) -> None:
+    """What the tool's own launcher sets before the training process imports torch. `axolotl train` (its click group,
+    before `accelerate launch` starts the process that trains) sets the allocator's expandable segments on torch >=
+    2.9 unless the user set a value; torch's allocator reads them when it starts, not later."""
+    if tool.startswith("axolotl"):
+        assert "torch" not in sys.modules, "the allocator's settings are read when torch starts"
+        from axolotl.utils import set_misc_env, set_pytorch_cuda_alloc_conf
+
+        set_pytorch_cuda_alloc_conf()
+        set_misc_env()
+
+
 def run(tool: str, work: str, out: str | None, skip: int) -> None:
+    launcher_env(tool)
     logs_path = os.path.join(work, f"logs-{tool}.jsonl")
     if os.path.exists(logs_path):
         os.remove(logs_path)

@@ -6,6 +6,8 @@
 #   QLORA=llama3-70b bash bench/integrations.sh OUT.jsonl "ours-qlora axolotl-qlora"   (same carry as axolotl)
 #   VARIANTS='axolotl-re=axolotl:gradient_checkpointing_kwargs={"use_reentrant": true}' \
 #     bash bench/integrations.sh OUT.jsonl "ours axolotl axolotl-re"   (a tool's config with one key changed; ';' between)
+#   VARIANTS='axolotl-de=axolotl' ENVS='axolotl-de=PYTORCH_ALLOC_CONF=expandable_segments:False' \
+#     bash bench/integrations.sh OUT.jsonl "ours axolotl axolotl-de"   (a run with NAME=VALUE set; ';' between)
 # Full finetunes share one Llama-3-8B-shaped checkpoint (MODEL) and chat dataset, 4 x 2048 tokens a step (BATCH, SEQ),
 # STEPS steps (10); the QLoRA pair a random-init base of the QLORA shape built block by block (no checkpoint: a 70B one
 # does not fit the machine's disk), 1 x SEQ. Wheels: ../shared/gpu/fetch-wheels.sh (.whl), scripts/device_wheels.sh.
@@ -32,7 +34,8 @@ for _ in $(seq 60); do grep -q READY /tmp/hold.log && break; sleep 1; done
 cat /tmp/hold.log
 for t in $tools; do
   echo "=== $t ($(date +%T))"
-  PYTHONPATH=/tmp/site-${t%%-*}:/tmp/site:$PWD timeout "${ROW_TIMEOUT:-240}" python3 bench/integrations.py run "$t" \
+  tenv=(); IFS=";" read -ra es <<< "${ENVS:-}"; for e in "${es[@]}"; do [ "${e%%=*}" = "$t" ] && tenv+=("${e#*=}"); done
+  env "${tenv[@]}" PYTHONPATH=/tmp/site-${t%%-*}:/tmp/site:$PWD timeout "${ROW_TIMEOUT:-240}" python3 bench/integrations.py run "$t" \
     $work --out "$out" 2>&1 | grep -v "it/s]\|s/it]" || echo "row failed: $t"
   rm -rf "$work/out-$t"
 done

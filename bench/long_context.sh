@@ -5,6 +5,8 @@
 # AdamW8bit on the GPU (`native_8bit`: fp32 AdamW states of an 8B model beside 64k tokens of activations pass even an
 # H200). Then .gpu/hold_gpu_memory.py holds all but 23.5 GiB and each length runs as configured (SPECS: one run per
 # space-separated spec, commas between its keys; default the config as it is). NO_NATIVE=1 skips the native rows.
+# AROUND="2 -2": after a spec's row, one row per offset with `layer_swap` pinned at that row's final resident count
+# plus the offset (auto against hand-picked counts around its choice, same call).
 set -u
 out=$1; lengths=$2; shift 2
 config=${CONFIG:-configs/llama3.1-8b-32k-24gb.yaml}
@@ -31,6 +33,18 @@ for s in $lengths; do
     timeout "${ROW_TIMEOUT:-240}" python3 bench/trainer_bench.py "$config" max_seq_length="$s" gpu_memory_limit_gb= \
       max_steps="$(steps "$s")" output_dir=/tmp/long_ours $spec "$@" --skip 3 --out "$out" || echo "row failed: $s $spec (rc $?)"
     rm -rf /tmp/long_ours
+    [ -n "${AROUND:-}" ] || continue
+    final=$(tail -n1 "$out" | python3 -c "import json,sys; print(json.load(sys.stdin)['extra']['resident_layers']['final'])") ||
+      { echo "no resident count from the row: nothing around it"; continue; }
+    for d in $AROUND; do
+      n=$((final + d)); [ "$n" -ge 1 ] || continue
+      echo "=== $s $spec layer_swap=$n (auto's $final $d) ($(date +%T))"
+      # shellcheck disable=SC2086
+      timeout "${ROW_TIMEOUT:-240}" python3 bench/trainer_bench.py "$config" max_seq_length="$s" gpu_memory_limit_gb= \
+        max_steps="$(steps "$s")" output_dir=/tmp/long_ours $spec layer_swap="$n" "$@" --skip 3 --out "$out" ||
+        echo "row failed: $s $spec layer_swap=$n (rc $?)"
+      rm -rf /tmp/long_ours
+    done
   done
 done
 kill $hold

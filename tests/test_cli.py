@@ -190,8 +190,9 @@ def test_train_sets_expandable_segments_in_the_running_allocator_unless_the_user
     told = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", told.append, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # (undone after the test)
-    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.setenv(name, "")  # (undone after the test)
+        monkeypatch.delenv(name)
     assert cli.main(["train", missing]) == 2
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
     assert told == ["expandable_segments:True"]
@@ -199,6 +200,10 @@ def test_train_sets_expandable_segments_in_the_running_allocator_unless_the_user
     assert cli.main(["train", missing]) == 2
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "backend:native" and len(told) == 1
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF")
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # (torch >= 2.9's name)
+    assert cli.main(["train", missing]) == 2
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and len(told) == 1
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert cli.main(["train", missing]) == 2
     assert "PYTORCH_CUDA_ALLOC_CONF" not in os.environ and len(told) == 1

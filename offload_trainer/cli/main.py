@@ -32,8 +32,9 @@ def use_expandable_segments() -> None:
     script), it may have read the variable (measured: as much reserved as with the default), so the running allocator
     is told as well; otherwise torch reads it when it starts, and is not imported here (a refused run answers in a
     fraction of a second). The variable stays set for child processes. Not under torchrun: data parallel over NCCL
-    was measured with the default allocator only."""
-    if "PYTORCH_CUDA_ALLOC_CONF" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    was measured with the default allocator only. PYTORCH_ALLOC_CONF is torch >= 2.9's name for the same setting."""
+    chosen = {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ)
+    if chosen or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     torch = sys.modules.get("torch")
