@@ -513,3 +513,17 @@ def test_predictions_are_within_the_bound_of_the_measured_peaks():
     bad = [(c["label"], round(c["pred"]["gpu"], 2), c["row"]["peak_reserved_gib"], round(c["pred"]["host"], 2),
             c["row"]["host_peak_gib"]) for c in cases if not (c["gpu_ok"] and c["host_ok"])]
     assert not bad, bad
+
+
+def test_a_row_at_the_allocators_limit_bounds_the_prediction_from_below_only():
+    """A row whose allocator gave cached memory back held the whole budget: the need is at least what it reserved, so
+    a prediction above passes and one under it by more than the bound fails (bench/planner_check.py)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    from planner_check import within
+
+    assert within(25.15, 22.57, at_limit=True) and not within(25.15, 22.57)
+    assert not within(19.37, 22.57, at_limit=True) and within(21.9, 22.57, at_limit=True)
+    assert within(22.0, 21.5) and not within(20.0, 21.5)
