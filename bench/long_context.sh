@@ -8,7 +8,7 @@
 # AROUND="2 -2": after a spec's row, one row per offset with `layer_swap` pinned at that row's final resident count
 # plus the offset (auto against hand-picked counts around its choice, same call).
 set -u
-out=$1; lengths=$2; shift 2
+out=$1; lengths=$2; shift 2; extra=("$@")  # (key=value for every row)
 config=${CONFIG:-configs/llama3.1-8b-32k-24gb.yaml}
 export RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)} COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 steps() { if [ "$1" -ge 65536 ]; then echo 6; elif [ "$1" -ge 32768 ]; then echo 7; else echo 8; fi; }
@@ -25,25 +25,27 @@ python3 .gpu/hold_gpu_memory.py 23.5 --seconds 3000 > /tmp/hold.log 2>&1 &
 hold=$!
 for _ in $(seq 60); do grep -q READY /tmp/hold.log && break; sleep 1; done
 cat /tmp/hold.log
+# one held row: ours LENGTH [key=value ...] (the config's run at that length with the keys set)
+ours() {
+  local s=$1; shift
+  echo "=== $s $* ($(date +%T))"
+  timeout "${ROW_TIMEOUT:-240}" python3 bench/trainer_bench.py "$config" max_seq_length="$s" gpu_memory_limit_gb= \
+    max_steps="$(steps "$s")" output_dir=/tmp/long_ours "$@" "${extra[@]}" --skip 3 --out "$out" ||
+    echo "row failed: $s $* (rc $?)"
+  rm -rf /tmp/long_ours
+}
 for s in $lengths; do
   for spec in ${SPECS:-"-"}; do
     spec=${spec//,/ }; [ "$spec" = "-" ] && spec=""
-    echo "=== $s $spec ($(date +%T))"
     # shellcheck disable=SC2086
-    timeout "${ROW_TIMEOUT:-240}" python3 bench/trainer_bench.py "$config" max_seq_length="$s" gpu_memory_limit_gb= \
-      max_steps="$(steps "$s")" output_dir=/tmp/long_ours $spec "$@" --skip 3 --out "$out" || echo "row failed: $s $spec (rc $?)"
-    rm -rf /tmp/long_ours
+    ours "$s" $spec
     [ -n "${AROUND:-}" ] || continue
     final=$(tail -n1 "$out" | python3 -c "import json,sys; print(json.load(sys.stdin)['extra']['resident_layers']['final'])") ||
       { echo "no resident count from the row: nothing around it"; continue; }
     for d in $AROUND; do
       n=$((final + d)); [ "$n" -ge 1 ] || continue
-      echo "=== $s $spec layer_swap=$n (auto's $final $d) ($(date +%T))"
       # shellcheck disable=SC2086
-      timeout "${ROW_TIMEOUT:-240}" python3 bench/trainer_bench.py "$config" max_seq_length="$s" gpu_memory_limit_gb= \
-        max_steps="$(steps "$s")" output_dir=/tmp/long_ours $spec layer_swap="$n" "$@" --skip 3 --out "$out" ||
-        echo "row failed: $s $spec layer_swap=$n (rc $?)"
-      rm -rf /tmp/long_ours
+      ours "$s" $spec layer_swap="$n"  # (auto's final count plus d)
     done
   done
 done
