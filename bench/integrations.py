@@ -28,6 +28,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# axolotl's own memory logs (its log() resets the allocator's peaks after reading them)
+AXOLOTL_ALLOC, AXOLOTL_RESERVED = "memory/max_allocated (GiB)", "memory/device_reserved (GiB)"
 TOOLS = ("ours", "trl", "axolotl", "llamafactory", "ours-qlora", "axolotl-qlora")
 # the built-in tokenizer's template with the assistant's turns marked, as TRL's assistant_only_loss needs
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% if m['role'] == 'assistant' %}{% generation %}"
@@ -238,8 +240,10 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
         gpus=1, gpu_cap_gib=None, seq_len=seq, micro_batch=batch, grad_accum=1, tokens_per_step=seq * batch,
         tok_per_s=round(statistics.median(r["tok_per_s"] for r in timed), 1) if timed and not error else None,
         step_s_median=round(statistics.median(steps), 3) if steps else None,
-        peak_alloc_gib=round(last.get("_alloc_gib", 0.0), 2),
-        peak_reserved_gib=round(last.get("_reserved_gib", 0.0), 2),
+        # (the largest of the logs: axolotl's log() reads the peaks and resets them before the Trainer's log runs)
+        peak_alloc_gib=round(max((r.get(k, 0.0) for r in logs for k in ("_alloc_gib", AXOLOTL_ALLOC)), default=0.0), 2),
+        peak_reserved_gib=round(max((r.get(k, 0.0) for r in logs for k in ("_reserved_gib", AXOLOTL_RESERVED)),
+                                    default=0.0), 2),
         host_peak_gib=round(peak_rss_gib() or float("nan"), 2),
         pinned_gib=max((r.get("host_pinned_gib", 0.0) for r in train), default=None), predicted=None, error=error,
         extra={"losses": [round(r["loss"], 4) for r in train], "tok_per_s_logs": [r["tok_per_s"] for r in train],
@@ -253,7 +257,21 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
                "clip_rate": [r.get("clip_rate") for r in train if "clip_rate" in r][-1:],
                "logged_keys": sorted({k for r in train for k in r if not k.startswith("_")}),
                "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+               "allocator": allocator_counts(),
                "wall_s": round(wall_s, 1)})
+
+
+def allocator_counts() -> dict:
+    """How often the caching allocator went back to the driver this process: retries (an allocation failed, the cache
+    was freed, all streams synchronized) and device allocations / frees (with expandable segments: pages mapped and
+    unmapped)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
+                                         "num_device_free", "num_ooms")}
 
 
 def launcher_env(tool: str) -> None:
@@ -268,12 +286,32 @@ def launcher_env(tool: str) -> None:
         set_misc_env()
 
 
-def run(tool: str, work: str, out: str | None, skip: int) -> None:
+def profile(first: int, steps: int, trace: str | None) -> list:
+    """trainer_bench's profilers on every Trainer this process trains: `steps` steps under torch.profiler from step
+    `first` on (the compute stream's idle time, each stream's busy time; the events written to `trace`), then one
+    step under cProfile. The same callbacks whichever tool builds the Trainer."""
+    import transformers
+    from trainer_bench import CProfileStep, ProfileSteps
+
+    profilers = [ProfileSteps(first, steps, trace), CProfileStep(first + steps)]
+    trainer_train = transformers.Trainer.train
+
+    def train(self, *args, **kwargs):
+        for p in profilers:
+            self.add_callback(p)
+        return trainer_train(self, *args, **kwargs)
+
+    transformers.Trainer.train = train
+    return profilers
+
+
+def run(tool: str, work: str, out: str | None, skip: int, profile_steps: int = 0, trace: str | None = None) -> None:
     launcher_env(tool)
     logs_path = os.path.join(work, f"logs-{tool}.jsonl")
     if os.path.exists(logs_path):
         os.remove(logs_path)
     listen(logs_path)
+    profilers = profile(skip + 1, profile_steps, trace) if profile_steps else []
     t0, error = time.perf_counter(), None
     try:
         run_tool(tool, work)
@@ -284,6 +322,8 @@ def run(tool: str, work: str, out: str | None, skip: int) -> None:
         traceback.print_exc()
     logs = [json.loads(x) for x in open(logs_path)] if os.path.exists(logs_path) else []
     row = make_row(tool, work, logs, time.perf_counter() - t0, error, skip)
+    if profilers:  # (the profiled steps are among the timed ones: profiling slows them a little)
+        row["extra"].update(profile=profilers[0].summary, cprofile_top_ms=profilers[1].summary)
     print("ROW " + json.dumps(row), flush=True)
     if out:
         with open(out, "a") as f:
@@ -331,6 +371,9 @@ def main() -> None:
     r.add_argument("work")
     r.add_argument("--out")
     r.add_argument("--skip", type=int, default=3, help="logs left out of the median (compile, warm-up)")
+    r.add_argument("--profile-steps", type=int, default=0,
+                   help="profile this many steps after the --skip first, then cProfile one (0: none)")
+    r.add_argument("--trace", help="with --profile-steps: write the profiled steps' events here (gzipped JSON)")
     t = sub.add_parser("table")
     t.add_argument("rows")
     a = p.parse_args()
@@ -340,7 +383,7 @@ def main() -> None:
         prepare(a.base, a.work, a.seq, a.batch, a.steps, a.model, bf16=not a.cpu, qlora_base=a.qlora_base,
                 variants=a.variant)
     elif a.cmd == "run":
-        run(a.tool, a.work, a.out, a.skip)
+        run(a.tool, a.work, a.out, a.skip, a.profile_steps, a.trace)
     else:
         table(a.rows)
 

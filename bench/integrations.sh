@@ -11,6 +11,8 @@
 # Full finetunes share one Llama-3-8B-shaped checkpoint (MODEL) and chat dataset, 4 x 2048 tokens a step (BATCH, SEQ),
 # STEPS steps (10); the QLoRA pair a random-init base of the QLORA shape built block by block (no checkpoint: a 70B one
 # does not fit the machine's disk), 1 x SEQ. Wheels: ../shared/gpu/fetch-wheels.sh (.whl), scripts/device_wheels.sh.
+# PROFILE=2 TRACES=DIR: each row profiles 2 steps after the first 3 (torch.profiler: the compute stream's idle time,
+# each stream's busy time; the events to DIR/trace-TOOL.json.gz for bench/trace_gaps.py), then cProfiles one.
 # CPU=1: a rehearsal on a CPU (tiny shapes, bf16 off, a fake hold script).
 set -u
 out=$1; tools=$2
@@ -36,7 +38,8 @@ for t in $tools; do
   echo "=== $t ($(date +%T))"
   tenv=(); IFS=";" read -ra es <<< "${ENVS:-}"; for e in "${es[@]}"; do [ "${e%%=*}" = "$t" ] && tenv+=("${e#*=}"); done
   env "${tenv[@]}" PYTHONPATH=/tmp/site-${t%%-*}:/tmp/site:$PWD timeout "${ROW_TIMEOUT:-240}" python3 bench/integrations.py run "$t" \
-    $work --out "$out" 2>&1 | grep -v "it/s]\|s/it]" || echo "row failed: $t"
+    $work --out "$out" ${PROFILE:+--profile-steps "$PROFILE" --trace "${TRACES:-/tmp}/trace-$t.json.gz"} 2>&1 |
+    grep -v "it/s]\|s/it]" || echo "row failed: $t"
   rm -rf "$work/out-$t"
 done
 kill $hold
