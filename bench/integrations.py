@@ -253,6 +253,9 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
                "tokens_per_log": sorted({round(b["tok_per_s"] * (b["_t"] - a["_t"])) for a, b in
                                          zip(train, train[1:])})[:3],
                "host_rss_gib_max": max((r.get("host_rss_gib", 0.0) for r in train), default=None),
+               # (the state copies over PCIe and the compute stream's wait for them, each timed step)
+               "pcie_gb_per_s": [r.get("pcie_gb_per_s") for r in timed],
+               "gpu_stall_ms": [r.get("gpu_stall_ms") for r in timed],
                "gpu_peak_gib_logged": max((r.get("gpu_peak_gib", 0.0) for r in train), default=None),
                "clip_rate": [r.get("clip_rate") for r in train if "clip_rate" in r][-1:],
                "logged_keys": sorted({k for r in train for k in r if not k.startswith("_")}),

@@ -53,6 +53,16 @@ CASES = [
      2048, "final"),
     ("Llama-3.2-11B-Vision full FT 2 x 2048, layer_swap 28", "2026-12-02-s46.json", "20261202-s46d",
      "offload_trainer_cli_noclip", 2048, 28),
+    ("Qwen2.5-14B 8 x 2048, layer swap, auto", "2026-12-03-s47.json", "20261203-s47a", "offload_trainer_cli_noclip",
+     2048, "final"),
+    ("Qwen2.5-14B 8 x 2048, layer_swap 16", "2026-12-03-s47.json", "20261203-s47a", "offload_trainer_cli_noclip", 2048,
+     16),
+    ("Qwen2.5-14B 8 x 2048, layer_swap 12", "2026-12-03-s47.json", "20261203-s47a", "offload_trainer_cli_noclip", 2048,
+     12),
+    ("Llama-3.1-8B 1 x 65536, tiled MLP, auto", "2026-12-03-s47.json", "20261203-s47b", "offload_trainer_cli", 65536,
+     "final"),
+    ("Llama-3.1-8B 1 x 65536, tiled MLP, layer_swap 4", "2026-12-03-s47.json", "20261203-s47b", "offload_trainer_cli",
+     65536, 4),
 ]
 
 

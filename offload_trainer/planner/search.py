@@ -72,7 +72,8 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
         e = est(batch=batch, seq=seq, **switches)
         p = Plan(offload_gradients=switches["offload_gradients"], activation_offload=switches["activation_offload"],
                  resident_layers=switches["resident"], tiled_mlp=switches["tiled"], **base, **_predicted(e))
-        usable = gpu_usable if switches["resident"] == shape.layers else swap_usable(e)
+        # (none resident: no fewer to start from, so the plan that fits the budget itself runs and is measured)
+        usable = gpu_usable if switches["resident"] in (shape.layers, 0) else swap_usable(e)
         gpu_fits.append(e["reserved"] <= usable)
         p.fits = gpu_fits[-1] and e["host"] <= host_usable
         tried.append(p)

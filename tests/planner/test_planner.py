@@ -337,6 +337,23 @@ def test_layer_swap_keeps_as_many_layers_as_fit():
     assert "swapped" in p.table()
 
 
+def test_layer_swap_auto_starts_with_none_resident_where_only_the_margin_is_short():
+    """auto's start margin picks among resident counts; with none resident there is no fewer to fall back on, so a
+    plan inside the budget but not the margin runs there (and is measured) rather than being refused. 8B at 64k
+    tokens on a held 24 GB card: no count fits under the margin, none resident fits the budget."""
+    cfg = architecture_config("llama3.1-8b")
+    kw = dict(batch=1, seq=65536, gpu_memory_limit_gb=23.2879, max_grad_norm=1.0, activation_offload=True,
+              tiled_mlp=True, speculative=False)
+    p = plan(cfg, layer_swap=None, **kw)
+    pinned = plan(cfg, layer_swap=0, **kw)
+    line = 23.2879 - 0.7 - 0.5 - 0.25 * p.breakdown["largest transient"]
+    assert p.resident_layers == 0 and line < p.gpu_peak_gib == pinned.gpu_peak_gib <= 23.2879 - 0.7
+    one = plan(cfg, layer_swap=1, **kw)
+    assert one.gpu_peak_gib > line  # (one resident does not fit under the margin either)
+    with pytest.raises(PlanError, match="GPU: needs"):  # a budget even none resident passes is still refused
+        plan(cfg, layer_swap=None, **{**kw, "gpu_memory_limit_gb": 20})
+
+
 def test_exact_clipping_with_layer_swap_waits_for_swapped_layers_in_the_next_forward():
     """With clipping a swapped layer is updated in the slot its next forward fetches it into: no extra fetch, but
     that forward waits for each swapped layer's weights besides the states and gradients (8B at 12 GiB, 26 of 32
