@@ -334,13 +334,15 @@ def run(tool: str, work: str, out: str | None, skip: int, profile_steps: int = 0
 
 
 def table(path: str) -> None:
-    """Each tool's tok/s and memory against `ours` of the same run."""
+    """Each tool's tok/s and memory against `ours` of the same run: the command's row just before it (tools listed
+    alternately, "ours axolotl ours axolotl", pair up in order), else the run's first."""
     rows = [json.loads(x) for x in open(path) if x.startswith("{")]
     for run_id in dict.fromkeys(r["run_id"] for r in rows):
         mine = [r for r in rows if r["run_id"] == run_id]
         print(f"run {run_id}")
-        for r in mine:
-            ref = next((x for x in mine if x["system"] == "offload_trainer" and x["method"] == r["method"]), None)
+        for i, r in enumerate(mine):
+            refs = [x for x in mine if x["system"] == "offload_trainer" and x["method"] == r["method"]]
+            ref = next((x for x in reversed(mine[:i + 1]) if x in refs), refs[0] if refs else None)
             ratio = (f"{r['tok_per_s'] / ref['tok_per_s']:.3f}x" if ref and ref["tok_per_s"] and r["tok_per_s"]
                      else "-")
             same = [abs(a - b) for a, b in zip(r["extra"]["losses"], ref["extra"]["losses"])] if ref else []

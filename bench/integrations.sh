@@ -3,6 +3,7 @@
 # same call and method:
 #   bash bench/integrations.sh OUT.jsonl "ours trl llamafactory"        (carry .whl .whl-trl .whl-llamafactory .gpu)
 #   bash bench/integrations.sh OUT.jsonl "ours axolotl"                 (carry .whl .whl-axolotl .whl-bnb .gpu)
+#   bash bench/integrations.sh OUT.jsonl "ours axolotl ours axolotl"    (alternated: each pair in its order)
 #   QLORA=llama3-70b bash bench/integrations.sh OUT.jsonl "ours-qlora axolotl-qlora"   (same carry as axolotl)
 #   VARIANTS='axolotl-re=axolotl:gradient_checkpointing_kwargs={"use_reentrant": true}' \
 #     bash bench/integrations.sh OUT.jsonl "ours axolotl axolotl-re"   (a tool's config with one key changed; ';' between)
