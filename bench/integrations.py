@@ -221,7 +221,8 @@ def run_tool(tool: str, work: str) -> None:
 
 
 def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str | None, skip: int) -> dict:
-    from step_bench import machine
+    import torch
+    from step_bench import allocator_counts, machine
 
     from offload_trainer.sysinfo import peak_rss_gib
 
@@ -231,7 +232,6 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
     train = [r for r in logs if "loss" in r and "tok_per_s" in r]
     timed = train[skip:]
     steps = [b["_t"] - a["_t"] for a, b in zip(train[skip - 1:], timed)] if skip else []
-    last = logs[-1] if logs else {}
     return dict(
         run_id=os.environ.get("RUN_ID", "local"), commit=os.environ.get("COMMIT", "unknown"), machine=machine(),
         model=shape["qlora_model"] if qlora else shape["model"], method="qlora" if qlora else "full",
@@ -260,21 +260,10 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
                "clip_rate": [r.get("clip_rate") for r in train if "clip_rate" in r][-1:],
                "logged_keys": sorted({k for r in train for k in r if not k.startswith("_")}),
                "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-               "allocator": allocator_counts(),
+               # (retries: an allocation failed, the cache was freed after a sync; device allocations / frees: with
+               # expandable segments, pages mapped and unmapped)
+               "allocator": allocator_counts() if torch.cuda.is_available() else {},
                "wall_s": round(wall_s, 1)})
-
-
-def allocator_counts() -> dict:
-    """How often the caching allocator went back to the driver this process: retries (an allocation failed, the cache
-    was freed, all streams synchronized) and device allocations / frees (with expandable segments: pages mapped and
-    unmapped)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    stats = torch.cuda.memory_stats()
-    return {k: stats.get(k, 0) for k in ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc",
-                                         "num_device_free", "num_ooms")}
 
 
 def launcher_env(tool: str) -> None:
@@ -340,9 +329,12 @@ def table(path: str) -> None:
     for run_id in dict.fromkeys(r["run_id"] for r in rows):
         mine = [r for r in rows if r["run_id"] == run_id]
         print(f"run {run_id}")
-        for i, r in enumerate(mine):
-            refs = [x for x in mine if x["system"] == "offload_trainer" and x["method"] == r["method"]]
-            ref = next((x for x in reversed(mine[:i + 1]) if x in refs), refs[0] if refs else None)
+        ours = [r for r in mine if r["system"] == "offload_trainer"]
+        latest = {r["method"]: r for r in reversed(ours)}  # (the run's first, until a later one comes)
+        for r in mine:
+            if r["system"] == "offload_trainer":
+                latest[r["method"]] = r
+            ref = latest.get(r["method"])
             ratio = (f"{r['tok_per_s'] / ref['tok_per_s']:.3f}x" if ref and ref["tok_per_s"] and r["tok_per_s"]
                      else "-")
             same = [abs(a - b) for a, b in zip(r["extra"]["losses"], ref["extra"]["losses"])] if ref else []

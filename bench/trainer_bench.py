@@ -24,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import cprofile_top, finish_row, machine, predicted, profile_summary  # noqa: E402
+from step_bench import allocator_counts, cprofile_top, finish_row, machine, predicted, profile_summary  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 
@@ -211,8 +211,7 @@ def main() -> None:
         row["extra"]["cprofile_top_ms"] = cprof.summary
     row["extra"]["wall_s"] = round(time.perf_counter() - t0, 1)
     if torch.cuda.is_available():  # over the whole run: a retry frees cached blocks after a device-wide sync
-        stats = torch.cuda.memory_stats()
-        row["extra"]["allocator"] = {k: stats.get(k) for k in ("num_alloc_retries", "num_sync_all_streams", "num_ooms")}
+        row["extra"]["allocator"] = allocator_counts()
     finish_row(row, a.out)
 
 
