@@ -63,6 +63,9 @@ CASES = [
      "final"),
     ("Llama-3.1-8B 1 x 65536, tiled MLP, layer_swap 4", "2026-12-03-s47.json", "20261203-s47b", "offload_trainer_cli",
      65536, 4),
+    ("Llama-3.1-8B 1 x 16384, auto", "2026-12-03-s48.json", "20261203-s48b", "offload_trainer_cli", 16384, "final"),
+    ("Llama-3.1-8B 1 x 16384, layer_swap 23", "2026-12-03-s48.json", "20261203-s48b", "offload_trainer_cli", 16384,
+     23),
 ]
 
 
