@@ -213,9 +213,22 @@ def _prepare(raw, data_args, tok, spec: Tokenize, vocab_size: int, where: str):
     if hasattr(rows, "_fingerprint"):
         _check(rows, vocab_size, where, data_args)
     rows = rows.remove_columns(list(STATS))
-    if not hasattr(rows, "_fingerprint"):
-        return rows.with_format("torch")
-    return rows.with_format("torch", dtype=torch.long)  # (stored as int32; the model and the loss take int64)
+    # Our own tensors, not `with_format("torch")`: datasets' torch (and numpy) formatter imports
+    # `torchvision.io.VideoReader` whenever torchvision is loaded, which torchvision 0.26 removed, so datasets up to
+    # 4.5 (LLaMA-Factory pins 4.0) fail on the first row read.
+    if not hasattr(rows, "_fingerprint"):  # streaming: one example at a time
+        return rows.map(_long_row)
+    return rows.with_transform(_long_rows)
+
+
+def _long_row(row: dict) -> dict[str, torch.Tensor]:
+    """A row's token columns as int64 tensors (stored as int32; the model and the loss take int64)."""
+    return {k: torch.tensor(v, dtype=torch.long) for k, v in row.items()}
+
+
+def _long_rows(batch: dict) -> dict[str, list[torch.Tensor]]:
+    """`_long_row` over a batch of rows (unpacked rows differ in length: one tensor each)."""
+    return {k: [torch.tensor(v, dtype=torch.long) for v in vs] for k, vs in batch.items()}
 
 
 def _features(token_columns):

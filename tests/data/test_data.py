@@ -239,6 +239,31 @@ def test_unpacked_rows_are_padded_per_batch(tok, tmp_path):
     assert (batch["labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all()
 
 
+@pytest.mark.parametrize("packing", [True, False])
+def test_rows_do_not_go_through_datasets_tensor_formatters(packing, tok, tmp_path, monkeypatch):
+    """datasets' torch and numpy formatters (datasets <= 4.5, LLaMA-Factory's pin among them) import
+    `torchvision.io.VideoReader` on every row once torchvision is loaded, and torchvision 0.26 removed it: those
+    formatters fail here as they do there, and the rows and their batches must not need them."""
+    from datasets.formatting import np_formatter, torch_formatter
+
+    from offload_trainer.data import data_collator
+
+    args = DataArguments(dataset_path=str(write_jsonl(tmp_path / "d.jsonl", DOCS[:3])), max_seq_length=64,
+                         packing=packing)
+    train, _ = build_datasets(args, tok, vocab_size=512)
+    expected = rows(train)
+
+    def no_video_reader(*a, **k):
+        raise ImportError("cannot import name 'VideoReader' from 'torchvision.io'")
+
+    for formatter in (torch_formatter.TorchFormatter, np_formatter.NumpyFormatter):
+        for method in ("format_row", "format_column", "format_batch"):
+            monkeypatch.setattr(formatter, method, no_video_reader)
+    assert rows(train) == expected and all(r["input_ids"].dtype == torch.long for r in train)
+    batch = data_collator(args, tok)([train[i] for i in range(len(train))])
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long and len(batch["input_ids"]) == len(train)
+
+
 # ---------------------------------------------------------------------------------------------------- splits, cache
 def test_eval_fraction_holds_out_random_records(tok, tmp_path):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"record number {i}"} for i in range(40)])
