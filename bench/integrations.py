@@ -20,6 +20,7 @@ logs, which every tool gets through OffloadMixin (tok/s counts the tokens each s
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import statistics
@@ -263,6 +264,8 @@ def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str |
                # (retries: an allocation failed, the cache was freed after a sync; device allocations / frees: with
                # expandable segments, pages mapped and unmapped)
                "allocator": allocator_counts() if torch.cuda.is_available() else {},
+               # (each tool runs on its own pins: LLaMA-Factory's transformers is not the command's)
+               "versions": {m: importlib.metadata.version(m) for m in ("torch", "transformers", "datasets")},
                "wall_s": round(wall_s, 1)})
 
 

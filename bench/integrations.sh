@@ -9,6 +9,8 @@
 #     bash bench/integrations.sh OUT.jsonl "ours axolotl axolotl-re"   (a tool's config with one key changed; ';' between)
 #   VARIANTS='axolotl-de=axolotl' ENVS='axolotl-de=PYTORCH_ALLOC_CONF=expandable_segments:False' \
 #     bash bench/integrations.sh OUT.jsonl "ours axolotl axolotl-de"   (a run with NAME=VALUE set; ';' between)
+#   VARIANTS='ours-lf=ours' SITES='ours-lf=llamafactory' \
+#     bash bench/integrations.sh OUT.jsonl "ours llamafactory ours-lf" (a run on another tool's wheels: its pins)
 # Full finetunes share one Llama-3-8B-shaped checkpoint (MODEL) and chat dataset, 4 x 2048 tokens a step (BATCH, SEQ),
 # STEPS steps (10); the QLoRA pair a random-init base of the QLORA shape built block by block (no checkpoint: a 70B one
 # does not fit the machine's disk), 1 x SEQ. Wheels: ../shared/gpu/fetch-wheels.sh (.whl), scripts/device_wheels.sh.
@@ -22,7 +24,9 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 AXOLOTL_DO_NOT_TRACK=1 DO_NOT_TRAC
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl; }
 install .whl /tmp/site || exit 1
 if [ -d .whl-bnb ]; then install .whl-bnb /tmp/site || exit 1; fi
-for t in $tools; do t=${t%%-*}; if [ -d ".whl-$t" ] && [ ! -d "/tmp/site-$t" ]; then install ".whl-$t" "/tmp/site-$t" || exit 1; fi; done
+# the wheels a run imports first: its tool's, or those SITES names ("NAME=TOOL", space-separated)
+site() { local s; for s in ${SITES:-}; do [ "${s%%=*}" = "$1" ] && { echo "${s#*=}"; return; }; done; echo "${1%%-*}"; }
+for t in $tools; do t=$(site "$t"); if [ -d ".whl-$t" ] && [ ! -d "/tmp/site-$t" ]; then install ".whl-$t" "/tmp/site-$t" || exit 1; fi; done
 base=/tmp/ib-base qbase=/tmp/ib-qbase work=/tmp/ib-work
 py() { PYTHONPATH=/tmp/site:$PWD python3 bench/integrations.py "$@"; }
 case " $tools " in *" ours "*|*" trl "*|*" axolotl "*|*" llamafactory "*) py base $base --model "${MODEL:-llama3-8b}" || exit 1;; esac
@@ -38,7 +42,7 @@ cat /tmp/hold.log
 for t in $tools; do
   echo "=== $t ($(date +%T))"
   tenv=(); IFS=";" read -ra es <<< "${ENVS:-}"; for e in "${es[@]}"; do [ "${e%%=*}" = "$t" ] && tenv+=("${e#*=}"); done
-  env "${tenv[@]}" PYTHONPATH=/tmp/site-${t%%-*}:/tmp/site:$PWD timeout "${ROW_TIMEOUT:-240}" python3 bench/integrations.py run "$t" \
+  env "${tenv[@]}" PYTHONPATH=/tmp/site-$(site "$t"):/tmp/site:$PWD timeout "${ROW_TIMEOUT:-240}" python3 bench/integrations.py run "$t" \
     $work --out "$out" ${PROFILE:+--profile-steps "$PROFILE" --trace "${TRACES:-/tmp}/trace-$t.json.gz"} 2>&1 |
     grep -v "it/s]\|s/it]" || echo "row failed: $t"
   rm -rf "$work/out-$t"
