@@ -125,7 +125,7 @@ def prepare(base: str, work: str, seq: int, batch: int, steps: int, model: str, 
                     "shuffle_merged_datasets": False, "lr_scheduler": "linear"},
         "llamafactory": {"model_name_or_path": base, "stage": "sft", "do_train": True, "finetuning_type": "full",
                          "dataset": "chat", "dataset_dir": work, "cutoff_len": seq,
-                         "overwrite_cache": True, "bf16": bf16, "gradient_checkpointing": True},
+                         "overwrite_cache": True, "bf16": bf16},  # (its checkpointing is on by default)
     }
     if qlora_base:  # QLoRA of a random-init base bigger than the card, with our layer swap: the command's and axolotl's
         configs["ours-qlora"] = {

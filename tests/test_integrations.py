@@ -112,6 +112,35 @@ def test_llamafactory_full_finetunes_keep_bf16_weights_where_the_optimizer_strea
         assert "pure_bf16: false" in note
 
 
+@pytest.mark.parametrize("cfg, reentrant_gc, kwargs", [
+    ({}, False, None),
+    ({"gradient_checkpointing": True}, False, {"use_reentrant": False}),  # the Trainer's second enable, same choice
+    ({"use_reentrant_gc": True}, True, None),  # the user's word stands
+    ({"use_reentrant_gc": True, "gradient_checkpointing": True}, True, {"use_reentrant": True}),
+    ({"gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"use_reentrant": True}}, False,
+     {"use_reentrant": True}),  # given kwargs stay
+    ({"disable_gradient_checkpointing": True}, None, None),
+    ({"use_unsloth_gc": True}, None, None),  # its own offloaded checkpointing, not torch's
+])
+def test_llamafactory_checkpoints_non_reentrant_unless_the_config_says(cfg, reentrant_gc, kwargs):
+    """LLaMA-Factory's reentrant default reruns each layer's last matmul in the recompute (the whole of its gap to
+    the command on a held 24 GB card); the launcher picks non-reentrant, for both ways LLaMA-Factory enables
+    checkpointing, where the config leaves it open, and says so."""
+    from offload_trainer.integrations.llamafactory import non_reentrant_checkpointing
+    from offload_trainer.trainer.args import HAS_ACTIVATION_CHECKPOINTING
+
+    cfg = dict(cfg)
+    given = dict(cfg)
+    note = non_reentrant_checkpointing(cfg)
+    assert cfg.get("use_reentrant_gc") == reentrant_gc
+    ours = "activation_checkpointing_kwargs" if HAS_ACTIVATION_CHECKPOINTING else "gradient_checkpointing_kwargs"
+    key = "gradient_checkpointing_kwargs" if "gradient_checkpointing_kwargs" in given else ours
+    assert cfg.get(key) == kwargs
+    assert bool(note) == ("use_reentrant_gc" not in given and reentrant_gc is not None)
+    if note:
+        assert "use_reentrant_gc: true" in note
+
+
 def test_trainable_fp32_weights_cast_to_the_load_dtype_frozen_ones_left():
     """The axolotl plugin's cast: a full finetune's upcast fp32 weights back to bf16 (what the streamed optimizer
     updates), frozen ones and bf16 ones untouched, the GiB freed counted."""

@@ -25,10 +25,20 @@ LAUNCHER = "offload_trainer.integrations.llamafactory"
 # The launcher in a process of its own (LLaMA-Factory sets up logging and environment per process); a callback reports
 # what was built.
 RUN = """
-import json, sys
+import functools, json, sys
 from transformers import TrainerCallback
 import llamafactory.train.sft.workflow as sft
 import llamafactory.train.tuner as tuner
+import torch.utils.checkpoint as tuc
+
+checkpoint, reentrant = tuc.checkpoint, set()
+
+def spy(fn, *a, **k):  # the decoder layers' checkpointing (transformers hands each a partial of the layer's call)
+    if isinstance(fn, functools.partial):
+        reentrant.add(k.get("use_reentrant"))
+    return checkpoint(fn, *a, **k)
+
+tuc.checkpoint = spy  # (LLaMA-Factory imports it when it enables checkpointing)
 
 class Report(TrainerCallback):
     def on_train_end(self, args, state, control, **kw):
@@ -61,7 +71,7 @@ else:
 me = built.pop("me", None)
 run = getattr(me, "_run", None)
 built.update(optimizer=type(run and run.optimizer).__name__, swapped=type(run and run.swap).__name__,
-             activations=type(run and run.activations).__name__)
+             activations=type(run and run.activations).__name__, reentrant=sorted(reentrant, key=str))
 print("RESULT " + json.dumps({"rc": rc, **built}))
 """
 
@@ -133,6 +143,21 @@ def test_llamafactory_trains_with_the_launcher_like_without_it(tmp_path):
 
     saved = torch.load(tmp_path / "out-swap" / "training_args.bin", weights_only=False)  # (found by its module's name)
     assert type(saved).__name__ == "OffloadLlamaFactoryArguments" and saved.layer_swap == "1"
+
+
+@pytest.mark.parametrize("extra, reentrant", [
+    ({}, [False]),
+    ({"gradient_checkpointing": True}, [False]),  # the Trainer enables it again through LLaMA-Factory's method
+    ({"use_reentrant_gc": True, "gradient_checkpointing": True}, [True]),  # the config's choice stays
+])
+def test_checkpointing_is_non_reentrant_unless_the_config_says(tmp_path, extra, reentrant):
+    """LLaMA-Factory checkpoints reentrant by default, whose recompute reruns each layer's last matmul; through the
+    launcher its decoder layers checkpoint non-reentrant, as `offload-trainer train` does, unless the config sets
+    use_reentrant_gc. Reported is what each layer's checkpoint call was given."""
+    r, ours = run("ours", write_case(tmp_path, **extra))
+    assert ours and ours["rc"] == 0, r.stderr[-4000:]
+    assert ours["reentrant"] == reentrant
+    assert ("use_reentrant_gc: false" in r.stderr) == ("use_reentrant_gc" not in extra)
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -11,8 +11,8 @@ undone when the run ends:
   LLaMA-Factory's own parser reads and checks our keys (an unknown key is still an error);
 - its pre-training and SFT workflows build their trainer with `OffloadMixin` before LLaMA-Factory's `CustomTrainer` /
   `CustomSeq2SeqTrainer` (its data, collators, callbacks and saving stay its own).
-One default differs: a full or freeze finetune in bf16 on a GPU gets `pure_bf16: true` unless the config says
-otherwise (see `bf16_weights`).
+Two defaults differ, each unless the config says otherwise: a full or freeze finetune in bf16 on a GPU gets
+`pure_bf16: true` (see `bf16_weights`), and checkpointing is non-reentrant (see `non_reentrant_checkpointing`).
 What would move the same tensors a second way, or replace the optimizer or loss the mixin wires (DeepSpeed, its own
 optimizers, the other stages), is refused by name before any model loads.
 """
@@ -25,10 +25,10 @@ import logging
 import sys
 from typing import Any
 
-from ..trainer.args import OffloadFields
+from ..trainer.args import HAS_ACTIVATION_CHECKPOINTING, OffloadFields
 from ..errors import ConfigError
 
-__all__ = ["bf16_weights", "clashes", "main"]
+__all__ = ["bf16_weights", "clashes", "main", "non_reentrant_checkpointing"]
 
 PROG = "python -m offload_trainer.integrations.llamafactory"
 
@@ -120,6 +120,29 @@ def bf16_weights(cfg: dict[str, Any], on_gpu: bool) -> str | None:
             "Set pure_bf16: false to keep its fp32 weights.")
 
 
+def non_reentrant_checkpointing(cfg: dict[str, Any]) -> str | None:
+    """Set `use_reentrant_gc: false` in `cfg` where LLaMA-Factory would checkpoint reentrant (its default). A reentrant
+    recompute reruns each layer's whole forward, its last projection included, which non-reentrant checkpointing (the
+    command's, transformers' default) stops before: for 8B at 4 x 2048 one 8192 x 14336 x 4096 matmul per layer, 40 ms
+    of a 1.4 s step on a held 24 GB card, the whole of LLaMA-Factory's gap to the command (bench/results/README.md,
+    "Integrations"). Where the config also turns on the Trainer's own checkpointing (`gradient_checkpointing` /
+    `activation_checkpointing`), the Trainer enables it a second time through LLaMA-Factory's method, which reads
+    missing kwargs as reentrant: the kwargs are set to the same choice. Returns the log line, or None where nothing
+    changes: checkpointing off, unsloth's, or `use_reentrant_gc` given."""
+    if cfg.get("disable_gradient_checkpointing") or cfg.get("use_unsloth_gc"):
+        return None
+    note = None
+    if "use_reentrant_gc" not in cfg:
+        cfg["use_reentrant_gc"] = False
+        note = ("use_reentrant_gc: false (non-reentrant checkpointing, as offload-trainer train runs it: the recompute "
+                "stops before each layer's last matmul). Set use_reentrant_gc: true to keep LLaMA-Factory's default.")
+    given = "gradient_checkpointing_kwargs" in cfg or "activation_checkpointing_kwargs" in cfg
+    if (cfg.get("gradient_checkpointing") or cfg.get("activation_checkpointing")) and not given:
+        key = "activation_checkpointing_kwargs" if HAS_ACTIVATION_CHECKPOINTING else "gradient_checkpointing_kwargs"
+        cfg[key] = {"use_reentrant": bool(cfg["use_reentrant_gc"])}
+    return note
+
+
 def _read(argv: list[str]) -> dict[str, Any]:
     """The config as `llamafactory-cli train` reads it (its YAML / JSON plus `key=value` overrides)."""
     from llamafactory.hparams.parser import read_args
@@ -152,9 +175,9 @@ def _train(argv: list[str]) -> None:
         raise ConfigError("offload_trainer's LLaMA-Factory launcher cannot run with: " + "; ".join(found))
     import torch
 
-    note = bf16_weights(cfg, torch.cuda.is_available())
-    if note:
-        logging.getLogger("offload_trainer").info(note)
+    for note in (bf16_weights(cfg, torch.cuda.is_available()), non_reentrant_checkpointing(cfg)):
+        if note:
+            logging.getLogger("offload_trainer").info(note)
     with _seams():
         run_exp(cfg)
 
