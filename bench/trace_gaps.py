@@ -2,6 +2,7 @@
 for other streams, and what the CPU was doing meanwhile.
 
     python bench/trace_gaps.py TRACE.json.gz [--top 15] [--bin-ms 5]
+    python bench/trace_gaps.py TRACE.json.gz --against OTHER.json.gz   (the compute streams' kernels, side by side)
 
 TRACE is written by `step_bench.py --trace` (one profiled step). For every idle gap of the compute stream (the
 stream that launches the most kernels), the kernel that ends it was launched by the CPU at some moment: the part
@@ -9,6 +10,9 @@ of the gap before that launch is time the GPU waited for the CPU ("cpu"); the re
 something else, an event of another stream ("dependency"). During the "cpu" parts, the CPU's own operators are
 listed by self time (the deepest operator running at each moment), so a slow hook or a blocking call shows up.
 Also: each stream's busy time and last activity, CUDA runtime calls that blocked, and a text timeline.
+With --against: where two traces of the same step (two tools, two settings) spend their compute stream's time
+differently, kernel by kernel (count and ms in each), largest difference first -- an extra matmul per layer shows
+up as one kernel name with 32 more calls.
 """
 from __future__ import annotations
 
@@ -156,6 +160,30 @@ def _role(evs: list[dict]) -> str:
     return "kernels"
 
 
+def compute_kernels(trace: dict) -> dict[str, list]:
+    """The compute stream's GPU work by kernel name: [count, ms]."""
+    names, kinds = trace["names"], trace["kinds"]
+    n_kernels: dict[int, int] = defaultdict(int)
+    for ni, ki, rid, start, dur, corr in trace["events"]:
+        n_kernels[rid] += kinds[ki] == "kernel"
+    compute = max(n_kernels, key=n_kernels.get)
+    by: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for ni, ki, rid, start, dur, corr in trace["events"]:
+        if rid == compute and kinds[ki] in GPU_KINDS:
+            by[names[ni]][0] += 1
+            by[names[ni]][1] += dur / 1e3
+    return dict(by)
+
+
+def kernel_diff(a: dict, b: dict, top: int = 15) -> list[dict]:
+    """Kernels whose compute-stream time differs most between traces `a` and `b`."""
+    ka, kb = compute_kernels(a), compute_kernels(b)
+    rows = [{"kernel": k, "count": [ka.get(k, [0, 0.0])[0], kb.get(k, [0, 0.0])[0]],
+             "ms": [round(ka.get(k, [0, 0.0])[1], 1), round(kb.get(k, [0, 0.0])[1], 1)]} for k in set(ka) | set(kb)]
+    rows.sort(key=lambda r: -abs(r["ms"][1] - r["ms"][0]))
+    return rows[:top]
+
+
 def _timeline(busy: list[list[float]], t_end: float, bin_us: float) -> str:
     """One character per bin: how busy the stream was (' ' idle, then . : - = #)."""
     n = max(1, int(t_end // bin_us) + 1)
@@ -175,7 +203,17 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=15)
     ap.add_argument("--bin-ms", type=float, default=5.0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--against", help="a second trace: compare the compute streams' kernels")
     a = ap.parse_args()
+    if a.against:
+        rows = kernel_diff(load(a.trace), load(a.against), a.top)
+        if a.json:
+            print(json.dumps(rows, indent=1))
+            return
+        print("compute stream, first trace | second: count, ms, kernel")
+        for r in rows:
+            print(f"{r['count'][0]:6d} {r['ms'][0]:9.1f} | {r['count'][1]:6d} {r['ms'][1]:9.1f}  {r['kernel'][:100]}")
+        return
     r = analyse(load(a.trace), a.top, a.bin_ms)
     if a.json:
         print(json.dumps(r, indent=1))

@@ -40,6 +40,19 @@ def test_gaps_split_at_the_launch_and_cpu_time_attributed(tmp_path):
     assert r["streams"][7]["timeline"][:3] == "## " and len(r["streams"][7]["timeline"]) == 13
 
 
+def test_kernel_diff_finds_the_extra_kernel_on_the_compute_stream():
+    names, kinds = ["gemm_a", "gemm_b", "copy"], ["kernel", "gpu_memcpy"]
+
+    def trace(extra):
+        ev = [[0, 0, 7, 10.0 * i, 1000.0, i] for i in range(4 + extra)]  # gemm_a on the compute stream, 1 ms each
+        ev += [[1, 0, 7, 100.0, 500.0, 9], [2, 1, 13, 0.0, 9000.0, 10]]  # gemm_b the same in both; a long copy
+        return {"names": names, "kinds": kinds, "events": ev}
+
+    rows = trace_gaps.kernel_diff(trace(0), trace(2))
+    assert rows[0] == {"kernel": "gemm_a", "count": [4, 6], "ms": [4.0, 6.0]}
+    assert rows[1] == {"kernel": "gemm_b", "count": [1, 1], "ms": [0.5, 0.5]} and len(rows) == 2  # (no copy stream)
+
+
 def test_make_table_pairs_clipping_rows_with_native_clip(tmp_path, capsys):
     import make_table
 
