@@ -7,7 +7,7 @@
 # NATIVE=native_8bit for layer-swap shapes (torchao AdamW8bit on the GPU, as their rows are compared).
 set -u
 out=$1; config=${2:-configs/llama3-8b-full-24gb.yaml}; model=${3:-llama3-8b}; bs=${4:-4}
-export RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)} COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)} COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 --exclude="*" 2>/dev/null || echo unknown)}
 steps=${STEPS:-10}
 for sys in ${NATIVE:-native native_clip}; do
   echo "=== $sys $model ($(date +%T))"

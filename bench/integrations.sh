@@ -19,7 +19,8 @@
 # CPU=1: a rehearsal on a CPU (tiny shapes, bf16 off, a fake hold script).
 set -u
 out=$1; tools=$2
-export RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)} COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# (COMMIT ends in -dirty where the files differ from it: a device copy can carry a newer tree than its git names)
+export RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)} COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 --exclude="*" 2>/dev/null || echo unknown)}
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 AXOLOTL_DO_NOT_TRACK=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1
 install() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl; }
 install .whl /tmp/site || exit 1

@@ -10,7 +10,7 @@
 set -u
 out=$1; lengths=$2; shift 2; extra=("$@")  # (key=value for every row)
 config=${CONFIG:-configs/llama3.1-8b-32k-24gb.yaml}
-export RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)} COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)} COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 --exclude="*" 2>/dev/null || echo unknown)}
 steps() { if [ "$1" -ge 65536 ]; then echo 6; elif [ "$1" -ge 32768 ]; then echo 7; else echo 8; fi; }
 if [ -z "${NO_NATIVE:-}" ]; then
   for s in $lengths; do

@@ -6,7 +6,7 @@
 set -u
 out=$1; shift
 export RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)-$RANDOM}
-export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+export COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 --exclude="*" 2>/dev/null || echo unknown)}
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 for spec in "$@"; do
   echo "=== $spec ($(date +%T))"
