@@ -65,28 +65,38 @@ def nest(ops: list[dict]) -> list[dict]:
     return roots
 
 
-def analyse(trace: dict, top: int = 15, bin_ms: float = 5.0) -> dict:
-    names, kinds = trace["names"], trace["kinds"]
+def _events(trace: dict, kinds: tuple[str, ...]):
+    """(stream or thread id, event) for each event of these activity kinds."""
+    names, kind_names = trace["names"], trace["kinds"]
+    for ni, ki, rid, start, dur, corr in trace["events"]:
+        if kind_names[ki] in kinds:
+            yield rid, {"name": names[ni], "s": start, "e": start + dur, "corr": corr, "kind": kind_names[ki]}
+
+
+def gpu_streams(trace: dict) -> tuple[dict[int, list[dict]], int]:
+    """The GPU events by stream, and the compute stream: the one that runs the most kernels."""
     streams: dict[int, list[dict]] = defaultdict(list)
+    for rid, ev in _events(trace, GPU_KINDS):
+        streams[rid].append(ev)
+    if not streams:
+        raise SystemExit("no GPU events in this trace")
+    n_kernels = {sid: sum(ev["kind"] == "kernel" for ev in evs) for sid, evs in streams.items()}
+    return dict(streams), max(n_kernels, key=n_kernels.get)
+
+
+def analyse(trace: dict, top: int = 15, bin_ms: float = 5.0) -> dict:
+    streams, compute = gpu_streams(trace)
     launches: dict[int, dict] = {}  # correlation id -> runtime call
     runtime: list[dict] = []
     cpu_ops: dict[int, list[dict]] = defaultdict(list)
-    for ni, ki, rid, start, dur, corr in trace["events"]:
-        kind, name = kinds[ki], names[ni]
-        ev = {"name": name, "s": start, "e": start + dur, "corr": corr, "kind": kind}
-        if kind in GPU_KINDS:
-            streams[rid].append(ev)
-        elif kind in RUNTIME_KINDS:
-            runtime.append(ev)
-            launches[corr] = ev | {"tid": rid}
-        elif kind == "cpu_op":
+    for rid, ev in _events(trace, RUNTIME_KINDS + ("cpu_op",)):
+        if ev["kind"] == "cpu_op":
             cpu_ops[rid].append(ev | {"kids": []})
-    if not streams:
-        raise SystemExit("no GPU events in this trace")
+        else:
+            runtime.append(ev)
+            launches[ev["corr"]] = ev | {"tid": rid}
     t_end = max(ev["e"] for evs in streams.values() for ev in evs)
     t_end = max(t_end, max((ev["e"] for ev in runtime), default=0.0))
-    n_kernels = {sid: sum(ev["kind"] == "kernel" for ev in evs) for sid, evs in streams.items()}
-    compute = max(n_kernels, key=n_kernels.get)
     per_stream = {}
     for sid, evs in streams.items():
         busy = merged([(ev["s"], ev["e"]) for ev in evs])
@@ -162,16 +172,11 @@ def _role(evs: list[dict]) -> str:
 
 def compute_kernels(trace: dict) -> dict[str, list]:
     """The compute stream's GPU work by kernel name: [count, ms]."""
-    names, kinds = trace["names"], trace["kinds"]
-    n_kernels: dict[int, int] = defaultdict(int)
-    for ni, ki, rid, start, dur, corr in trace["events"]:
-        n_kernels[rid] += kinds[ki] == "kernel"
-    compute = max(n_kernels, key=n_kernels.get)
+    streams, compute = gpu_streams(trace)
     by: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    for ni, ki, rid, start, dur, corr in trace["events"]:
-        if rid == compute and kinds[ki] in GPU_KINDS:
-            by[names[ni]][0] += 1
-            by[names[ni]][1] += dur / 1e3
+    for ev in streams[compute]:
+        by[ev["name"]][0] += 1
+        by[ev["name"]][1] += (ev["e"] - ev["s"]) / 1e3
     return dict(by)
 
 
@@ -180,7 +185,7 @@ def kernel_diff(a: dict, b: dict, top: int = 15) -> list[dict]:
     ka, kb = compute_kernels(a), compute_kernels(b)
     rows = [{"kernel": k, "count": [ka.get(k, [0, 0.0])[0], kb.get(k, [0, 0.0])[0]],
              "ms": [round(ka.get(k, [0, 0.0])[1], 1), round(kb.get(k, [0, 0.0])[1], 1)]} for k in set(ka) | set(kb)]
-    rows.sort(key=lambda r: -abs(r["ms"][1] - r["ms"][0]))
+    rows.sort(key=lambda r: (-abs(r["ms"][1] - r["ms"][0]), r["kernel"]))  # (ties by name: the same order each run)
     return rows[:top]
 
 
