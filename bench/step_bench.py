@@ -57,7 +57,7 @@ def gpu_idle_ms(step_fn, trace: str | None = None, steps: int = 1) -> dict:
                 loss.item()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) / steps
-    return profile_summary(prof, wall, steps, trace)
+    return {**profile_summary(prof, wall, steps, trace), **({"trace": trace} if trace else {})}
 
 
 def profile_summary(prof, wall: float, steps: int = 1, trace: str | None = None) -> dict:

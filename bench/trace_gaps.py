@@ -84,7 +84,10 @@ def gpu_streams(trace: dict) -> tuple[dict[int, list[dict]], int]:
     return dict(streams), max(n_kernels, key=n_kernels.get)
 
 
-def analyse(trace: dict, top: int = 15, bin_ms: float = 5.0) -> dict:
+def compute_gaps(trace: dict) -> dict:
+    """The compute stream's idle gaps, each split at the launch of the kernel that ends it (`cpu_ms`: the GPU waited
+    for the CPU to launch it; `dependency_ms`: it was launched, and waited for an event of another stream), with the
+    streams, the runtime calls and the CPU ops by thread that the analyses read."""
     streams, compute = gpu_streams(trace)
     launches: dict[int, dict] = {}  # correlation id -> runtime call
     runtime: list[dict] = []
@@ -93,22 +96,14 @@ def analyse(trace: dict, top: int = 15, bin_ms: float = 5.0) -> dict:
         if ev["kind"] == "cpu_op":
             cpu_ops[rid].append(ev | {"kids": []})
         else:
-            runtime.append(ev)
+            runtime.append(ev | {"tid": rid})
             launches[ev["corr"]] = ev | {"tid": rid}
     t_end = max(ev["e"] for evs in streams.values() for ev in evs)
     t_end = max(t_end, max((ev["e"] for ev in runtime), default=0.0))
-    per_stream = {}
-    for sid, evs in streams.items():
-        busy = merged([(ev["s"], ev["e"]) for ev in evs])
-        per_stream[sid] = {"role": "compute" if sid == compute else _role(evs), "events": len(evs),
-                           "busy_ms": round(sum(e - s for s, e in busy) / 1e3, 1),
-                           "first_ms": round(busy[0][0] / 1e3, 1), "last_end_ms": round(busy[-1][1] / 1e3, 1),
-                           "_busy": busy}
-
-    # gaps of the compute stream, each split at the launch of the kernel that ends it
+    busy_of = {sid: merged([(ev["s"], ev["e"]) for ev in evs]) for sid, evs in streams.items()}
     kernels = sorted(streams[compute], key=lambda ev: ev["s"])
     starts = [ev["s"] for ev in kernels]
-    busy = per_stream[compute]["_busy"]
+    busy = busy_of[compute]
     gaps = []
     edges = [(0.0, busy[0][0])] + [(busy[i][1], busy[i + 1][0]) for i in range(len(busy) - 1)]
     for a, b in edges:
@@ -120,8 +115,23 @@ def analyse(trace: dict, top: int = 15, bin_ms: float = 5.0) -> dict:
         cpu = max(0.0, min(launched, b) - a)
         gaps.append({"start_ms": round(a / 1e3, 3), "ms": round((b - a) / 1e3, 3), "cpu_ms": round(cpu / 1e3, 3),
                      "dependency_ms": round((b - a - cpu) / 1e3, 3), "next": nxt["name"][:80],
-                     "launch_tid": launch["tid"] if launch is not None else None, "_cpu": (a, a + cpu)})
-    tail = t_end - busy[-1][1]
+                     "launch_tid": launch["tid"] if launch is not None else None, "_cpu": (a, a + cpu),
+                     "_span": (a, b)})
+    return {"streams": streams, "compute": compute, "busy": busy_of, "gaps": gaps, "runtime": runtime,
+            "cpu_ops": cpu_ops, "t_end": t_end, "tail": t_end - busy[-1][1]}
+
+
+def analyse(trace: dict, top: int = 15, bin_ms: float = 5.0) -> dict:
+    found = compute_gaps(trace)
+    streams, compute, runtime, cpu_ops = found["streams"], found["compute"], found["runtime"], found["cpu_ops"]
+    gaps, t_end, tail = found["gaps"], found["t_end"], found["tail"]
+    per_stream = {}
+    for sid, evs in streams.items():
+        busy = found["busy"][sid]
+        per_stream[sid] = {"role": "compute" if sid == compute else _role(evs), "events": len(evs),
+                           "busy_ms": round(sum(e - s for s, e in busy) / 1e3, 1),
+                           "first_ms": round(busy[0][0] / 1e3, 1), "last_end_ms": round(busy[-1][1] / 1e3, 1),
+                           "_busy": busy}
 
     # what the CPU did while the GPU waited for it (on the launching thread)
     forests = {tid: nest(ops) for tid, ops in cpu_ops.items()}
@@ -141,8 +151,7 @@ def analyse(trace: dict, top: int = 15, bin_ms: float = 5.0) -> dict:
 
     for s in per_stream.values():
         s["timeline"] = _timeline(s.pop("_busy"), t_end, bin_ms * 1e3)
-    for g in gaps:
-        g.pop("_cpu")
+    gaps = [{k: v for k, v in g.items() if not k.startswith("_")} for g in gaps]
     return {
         "step_ms": round(t_end / 1e3, 1),
         "compute_stream": compute,

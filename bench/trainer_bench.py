@@ -8,8 +8,11 @@ logging (every step with `logging_steps: 1`) and the allocator as the user gets 
 PYTORCH_CUDA_ALLOC_CONF; the command sets expandable segments, in the running allocator too, unless one is set, and
 the row records which).
 tok/s and step time: the median of the logs after the first `--skip` (each log's tok/s covers the `logging_steps`
-steps since the previous log; with 1, per-step figures). Memory: the process's peaks (host: VmHWM, which includes
-the saves at the end).
+steps since the previous log; with 1, per-step figures), less the profiled steps. Memory: the process's peaks (host:
+VmHWM, which includes the saves at the end).
+--stock: the stock `transformers.Trainer` in OffloadTrainer's place (row system `trainer_native`): what a user with
+a big GPU runs, same config, data and logging, e.g. `offload_optimizer=false optim=adamw_torch_fused
+gpu_memory_limit_gb=` on the uncapped GPU.
 """
 from __future__ import annotations
 
@@ -31,30 +34,41 @@ from transformers import TrainerCallback  # noqa: E402
 class ProfileSteps(TrainerCallback):
     """Profile `steps` optimizer steps of the Trainer's loop from step `first` on (CPU ops, and CUDA kernels and
     copies where there is a GPU), as step_bench.py profiles its bare loop: `summary` holds the same figures
-    (compute-stream idle time, each stream's busy time, top CPU ops); `trace` is written for bench/trace_gaps.py."""
+    (compute-stream idle time, each stream's busy time, top CPU ops); `trace` is written for bench/trace_gaps.py and
+    bench/budget.py. The window runs from one step's beginning to the beginning of the step `steps` later, so each
+    profiled step brings its whole period: its log (with its syncs) and the next batch's loading included."""
 
     def __init__(self, first: int, steps: int, trace: str | None = None):
         self.first, self.steps, self.trace = first, steps, trace
         self.prof, self.summary, self._t0 = None, None, 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.first and self.prof is None:
-            from torch.profiler import ProfilerActivity, profile
+        if self.prof is None and state.global_step == self.first:
+            self._start()
+        elif self.prof is not None and self.summary is None and state.global_step == self.first + self.steps:
+            self._stop()
 
-            cuda = torch.cuda.is_available()
-            if cuda:
-                torch.cuda.synchronize()
-            self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
-            self.prof.__enter__()
-            self._t0 = time.perf_counter()
+    def on_train_end(self, args, state, control, **kwargs):  # (the run ended inside the window: its last steps)
+        if self.prof is not None and self.summary is None:
+            self.steps = max(1, state.global_step - self.first)
+            self._stop()
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if self.prof is not None and self.summary is None and state.global_step == self.first + self.steps:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            wall = (time.perf_counter() - self._t0) / self.steps
-            self.prof.__exit__(None, None, None)
-            self.summary = profile_summary(self.prof, wall, self.steps, self.trace)
+    def _start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.synchronize()
+        self.prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+        self.prof.__enter__()
+        self._t0 = time.perf_counter()
+
+    def _stop(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - self._t0) / self.steps
+        self.prof.__exit__(None, None, None)
+        self.summary = profile_summary(self.prof, wall, self.steps, self.trace)
 
 
 class CProfileStep(TrainerCallback):
@@ -79,16 +93,46 @@ class CProfileStep(TrainerCallback):
             self.pr.enable()
 
 
-def row_from_logs(logs: list[dict], *, skip: int, tokens_per_step: int) -> dict:
-    """tok/s and step time from the Trainer's training logs (those with a loss), after the first `skip` logs: each
-    log's tok/s covers the steps since the previous one, so the logs must come at one interval (`logging_steps`; 1
-    gives per-step figures); the last log's pinned bytes and the largest GPU stall."""
+def stock_trainer_class(base):
+    """`transformers.Trainer` as a user with a big GPU runs it (its own optimizer from `optim`, the model's own loss,
+    no plan), built by the command in OffloadTrainer's place, so config, data, collator and model are the command's;
+    its training logs get the command's figures (tok/s, memory: run_logs.add_run_figures), measured alike."""
+    from offload_trainer.settings import OffloadSettings
+    from offload_trainer.trainer import run_logs
+    from offload_trainer.trainer.run_state import LogCounters, RunState
+
+    class StockTrainer(base):
+        def __init__(self, *args, offload_plan=None, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._run = RunState(OffloadSettings())  # (its log counters; nothing of ours is built)
+
+        def train(self, *args, **kwargs):
+            self._run.log = LogCounters()
+            return super().train(*args, **kwargs)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self._run.log.tokens += int(inputs["input_ids"].numel())
+            return super().training_step(model, inputs, num_items_in_batch)
+
+        def log(self, logs, start_time=None):
+            if "loss" in logs:
+                run_logs.add_run_figures(self._run, logs, self.state.global_step)
+            super().log(logs, start_time)
+
+    return StockTrainer
+
+
+def row_from_logs(logs: list[dict], *, skip: int, tokens_per_step: int, leave_out: range = range(0)) -> dict:
+    """tok/s and step time from the Trainer's training logs (those with a loss), after the first `skip` logs and but
+    the steps in `leave_out` (profiled ones): each log's tok/s covers the steps since the previous one, so the logs
+    must come at one interval (`logging_steps`; 1 gives per-step figures); the last log's pinned bytes and the
+    largest GPU stall."""
     train = [x for x in logs if "loss" in x and "tok_per_s" in x]
     steps = [x["step"] for x in train]
     every = {b - a for a, b in zip(steps, steps[1:])}
     if len(every) > 1 or (train and steps[0] not in every | {1}):
         raise ValueError(f"the logs must come at one interval (logging_steps), logged at steps {steps}")
-    timed = train[skip:]
+    timed = [x for x in train[skip:] if x["step"] not in leave_out]
     if not timed:
         raise ValueError(f"{len(train)} training logs, none after the first {skip}: run more steps")
     tok_s = statistics.median(x["tok_per_s"] for x in timed)
@@ -127,9 +171,12 @@ def main() -> None:
                     help="cProfile one step after the --skip first and the profiled ones: top Python functions")
     ap.add_argument("--system", default=None, help="the row's system (default: offload_trainer_cli[_noclip...]); e.g. "
                     "native_8bit for the same command with offload_optimizer=false optim=adamw_torch_8bit, uncapped")
+    ap.add_argument("--stock", action="store_true",
+                    help="the stock transformers.Trainer in OffloadTrainer's place (system trainer_native; give it "
+                         "offload_optimizer=false and the optim to run, e.g. adamw_torch_fused, uncapped)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-id", default=os.environ.get("RUN_ID", "adhoc"))
-    a = ap.parse_args()
+    a = ap.parse_intermixed_args()  # (flags before or after the key=value overrides)
 
     from offload_trainer.cli import main as cli_main
     from offload_trainer.cli.config import load_config, parse_args
@@ -148,7 +195,9 @@ def main() -> None:
                micro_batch=args.per_device_train_batch_size, grad_accum=args.gradient_accumulation_steps,
                tokens_per_step=tokens, tok_per_s=None, step_s_median=None, peak_alloc_gib=None,
                peak_reserved_gib=None, host_peak_gib=None, pinned_gib=None, error=None,
-               extra=dict(argv=" ".join([a.config, *a.overrides])))
+               extra=dict(argv=" ".join([a.config, *a.overrides]), max_grad_norm=args.max_grad_norm))
+    if a.stock:
+        row["system"] = "trainer_native" + ("_8bit" if "8bit" in str(getattr(args.optim, "value", args.optim)) else "")
     if a.system:
         row["system"] = a.system
     said = FitLines()
@@ -160,8 +209,14 @@ def main() -> None:
 
     plain = trainer_module.OffloadTrainer
     built = []
+    if a.stock:
+        import transformers
 
-    class BenchTrainer(plain):  # what `offload-trainer train` builds, kept (for its plan), with the profilers added
+        base = stock_trainer_class(transformers.Trainer)
+    else:
+        base = plain
+
+    class BenchTrainer(base):  # what `offload-trainer train` builds, kept (for its plan), with the profilers added
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             built.append(self)
@@ -178,7 +233,10 @@ def main() -> None:
             with open(os.path.join(args.output_dir, "trainer_state.json")) as f:
                 logs = json.load(f)["log_history"]
             extra = row["extra"]
-            row.update(row_from_logs(logs, skip=a.skip, tokens_per_step=tokens))
+            # (the profiled steps ran slower, and the next one writes the trace or runs under cProfile: left out)
+            slowed = range(a.skip + 1, a.skip + 2 + a.profile_steps) if a.profile_steps or a.cprofile else range(0)
+            row.update(row_from_logs(logs, skip=a.skip, tokens_per_step=tokens, leave_out=slowed))
+            row["extra"]["steps_left_out"] = list(slowed)
             row["extra"] = {**extra, **row["extra"]}
     except torch.OutOfMemoryError as e:
         row["error"] = "OOM: " + str(e).split("\n")[0][:160]
@@ -205,8 +263,9 @@ def main() -> None:
                                                                  data_args.max_seq_length, final,
                                                                  model_args=model_args)), "resident_layers": final}
     row["extra"]["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # (the command sets one if unset)
-    if profiler is not None:  # (the profiled steps are among the timed ones: profiling slows them a little)
+    if profiler is not None:  # (its steps are left out of the median: profiling slows them a little)
         row["extra"]["profile"] = profiler.summary
+        row["extra"]["trace"] = a.trace
     if cprof is not None:
         row["extra"]["cprofile_top_ms"] = cprof.summary
     row["extra"]["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -83,7 +83,7 @@ def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypat
 
     out, rows = tmp_path / "out", tmp_path / "rows.jsonl"
     trace = tmp_path / "trace.json.gz"
-    monkeypatch.setattr(sys, "argv", ["trainer_bench.py", "configs/tiny-cpu.yaml", "max_steps=6", "logging_steps=1",
+    monkeypatch.setattr(sys, "argv", ["trainer_bench.py", "configs/tiny-cpu.yaml", "max_steps=9", "logging_steps=1",
                                       f"output_dir={out}", "save_steps=100", "eval_fraction=0", "--out", str(rows),
                                       "--profile-steps", "2", "--trace", str(trace), "--cprofile"])
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")  # (the command sets it; undone after the test)
@@ -94,9 +94,10 @@ def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypat
     assert trainer_module.OffloadTrainer is plain
     row = json.loads(rows.read_text())
     logs = [x for x in json.loads((out / "trainer_state.json").read_text())["log_history"] if "tok_per_s" in x]
-    assert [x["step"] for x in logs] == [1, 2, 3, 4, 5, 6]
-    middle = sorted(x["tok_per_s"] for x in logs[2:])[1:3]
-    assert row["tok_per_s"] == round(sum(middle) / 2, 1)  # median of steps 3-6
+    assert [x["step"] for x in logs] == list(range(1, 10))
+    # steps 3-4 profiled, the trace written and step 5 under cProfile in the next: left out of the median
+    middle = sorted(x["tok_per_s"] for x in logs[5:])[1:3]
+    assert row["tok_per_s"] == round(sum(middle) / 2, 1) and row["extra"]["steps_left_out"] == [3, 4, 5]
     assert row["step_s_median"] == pytest.approx(1024 / row["tok_per_s"], abs=2e-4) and row["error"] is None
     assert row["system"] == "offload_trainer_cli" and row["extra"]["losses"] == [x["loss"] for x in logs]
     assert row["host_peak_gib"] > 0
@@ -154,3 +155,81 @@ def test_integrations_bench_rows_for_the_command_and_trl(tmp_path):
         assert r["tokens_per_step"] == 96
     assert trl["extra"]["losses"] == pytest.approx(ours["extra"]["losses"], rel=1e-4)
     assert "largest difference to offload_trainer's over 3 steps" in bench_cmd("table", out)
+
+
+def _write_trace(path, names, kinds, events):
+    with gzip.open(path, "wt") as f:
+        json.dump({"names": names, "kinds": kinds, "events": events}, f)
+    return str(path)
+
+
+def test_budget_lines_add_up_to_the_step_and_name_what_the_gpu_waited_for(tmp_path):
+    import budget
+
+    ms = 1000.0
+    names = ["sm90_xmma_gemm_bf16", "flash_fwd_kernel", "vectorized_elementwise_kernel", "Memcpy HtoD (Pinned -> Device)",
+             "cudaLaunchKernel", "cudaStreamSynchronize", "aten::add"]
+    kinds = ["kernel", "gpu_memcpy", "cuda_runtime", "cpu_op"]
+    events = [
+        [0, 0, 7, 0 * ms, 10 * ms, 1], [1, 0, 7, 20 * ms, 10 * ms, 2], [2, 0, 7, 50 * ms, 10 * ms, 3],  # compute
+        [3, 1, 13, 0 * ms, 45 * ms, 4],                  # a copy stream, busy 0-45 ms
+        [4, 2, 99, 0 * ms, 0.01 * ms, 1],                # kernel 2 launched at 18 ms: gap 10-20 is 8 ms CPU, 2 ms not
+        [4, 2, 99, 17.99 * ms, 0.01 * ms, 2],
+        [4, 2, 99, 5 * ms, 0.01 * ms, 3],                # kernel 3 launched long before its gap (30-50): the copy's
+        [5, 2, 99, 10 * ms, 4 * ms, 20],                 # the CPU in a sync 10-14 ms,
+        [6, 3, 99, 14 * ms, 2 * ms, 21],                 # an op 14-16 ms launching for 0.5 ms, then Python 16-18 ms
+        [4, 2, 99, 15 * ms, 0.5 * ms, 22],
+    ]
+    b = budget.budget(budget.load(_write_trace(tmp_path / "ours.json.gz", names, kinds, events)))
+    lines = b["lines"]
+    assert b["step_ms"] == 60.0 and sum(lines.values()) == pytest.approx(60.0, abs=0.05)
+    assert (lines["compute: matmul"], lines["compute: attention"], lines["compute: other kernels"]) == (10, 10, 10)
+    assert lines["idle, waiting for stream: h2d"] == 20.0 and lines["idle, waiting for stream: other"] == 2.0
+    assert lines["idle, waiting for the CPU: host sync"] == 4.0
+    assert lines["idle, waiting for the CPU: torch ops"] == 1.5
+    assert lines["idle, waiting for the CPU: CUDA runtime (launches, events)"] == pytest.approx(0.51, abs=0.01)
+    assert lines["idle, waiting for the CPU: Python outside ops"] == pytest.approx(1.99, abs=0.01)
+
+    # ours beside a bare loop of the same case: the differences add up to the profiled steps' difference
+    native = _write_trace(tmp_path / "native.json.gz", names, kinds,
+                          [[0, 0, 7, 0, 10 * ms, 1], [1, 0, 7, 10 * ms, 10 * ms, 2], [2, 0, 7, 20 * ms, 10 * ms, 3]])
+
+    def row(system, step_s, trace):
+        return dict(run_id="r", model="m", seq_len=8, micro_batch=1, grad_accum=1, system=system, error=None,
+                    tok_per_s=8 / step_s, step_s_median=step_s, extra={"trace": trace, "argv": system})
+
+    rows = [row("native", 0.031, native), row("offload_trainer_cli_noclip", 0.062, str(tmp_path / "ours.json.gz")),
+            row("native_clip", 0.031, native)]  # (a clipping reference: another case)
+    (entry,) = budget.tables(rows)
+    (ref,) = entry["references"]
+    assert ref["system"] == "native" and ref["profiled_difference_ms"] == 30.0
+    assert sum(ref["difference_ms"].values()) == pytest.approx(30.0, abs=0.05)
+    assert ref["measured_difference_ms"] == 31.0 and ref["residual_ms"] == 1.0
+    assert "| idle, waiting for stream: h2d | 20.0 | 0.0 | +20.0 |" in budget.markdown(entry)
+
+
+def test_trainer_bench_stock_runs_the_plain_trainer_with_the_commands_logs(tmp_path, monkeypatch):
+    import trainer_bench
+    import transformers
+
+    from offload_trainer.trainer import OffloadMixin
+
+    rows, made = tmp_path / "rows.jsonl", []
+    make = trainer_bench.stock_trainer_class
+    monkeypatch.setattr(trainer_bench, "stock_trainer_class", lambda base: made.append(make(base)) or made[-1])
+    built, train = [], transformers.Trainer.train
+    monkeypatch.setattr(transformers.Trainer, "train", lambda self, *a, **k: built.append(self) or train(self, *a, **k))
+    monkeypatch.setattr(sys, "argv", ["trainer_bench.py", "configs/tiny-cpu.yaml", "--stock", "offload_optimizer=false",
+                                      "optim=adamw_torch", "max_steps=4", "logging_steps=1", "max_grad_norm=0",
+                                      f"output_dir={tmp_path / 'out'}", "save_steps=100", "eval_fraction=0",
+                                      "--skip", "1", "--out", str(rows)])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "")
+    trainer_bench.main()
+    row = json.loads(rows.read_text())
+    assert row["system"] == "trainer_native" and row["error"] is None and row["tok_per_s"] > 0
+    assert row["extra"]["max_grad_norm"] == 0 and len(row["extra"]["losses"]) == 4
+    # the Trainer that trained: the stock one (none of ours in its classes), its optimizer torch's own AdamW
+    (trainer,) = built
+    assert isinstance(trainer, made[0]) and not isinstance(trainer, OffloadMixin)
+    assert type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer) \
+        is torch.optim.AdamW
