@@ -351,6 +351,29 @@ def test_overwrite_output_dir(trained, tmp_path, capsys):
     assert before["global_step"] == 2
 
 
+def test_overwrite_output_dir_keeps_what_is_not_a_runs_output(trained, tmp_path, capsys):
+    """overwrite_output_dir replaces the earlier run only: a user's files and folders beside it (notes, data, a home
+    directory's dot-files) stay as they were, and the log names them."""
+    from cli_cases import tree_hash
+
+    case = copy_run(trained, tmp_path)
+    (case.out / "NOTES.md").write_text("my notes\n")
+    (case.out / ".bashrc").write_text("export X=1\n")
+    (case.out / "mydata").mkdir()
+    (case.out / "mydata" / "rows.jsonl").write_text('{"text": "mine"}\n')
+    (case.out / "Documents").mkdir()
+    (case.out / "Documents" / "letter.txt").write_text("dear\n")
+    mine = {n: tree_hash(case.out / n) if (case.out / n).is_dir() else (case.out / n).read_bytes()
+            for n in ("NOTES.md", ".bashrc", "mydata", "Documents")}
+    rc, err = case.run(capsys, "overwrite_output_dir=true", "max_steps=1", "save_steps=1")
+    assert rc == 0 and "overwrite_output_dir: removed checkpoint-1, checkpoint-2" in err
+    assert "kept what is not a run's output" in err and ".bashrc, Documents, NOTES.md, mydata" in err
+    assert {n: tree_hash(case.out / n) if (case.out / n).is_dir() else (case.out / n).read_bytes()
+            for n in mine} == mine
+    assert not (case.out / ".earlier-run").exists()
+    assert sorted(p.name for p in case.out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1"]
+
+
 def test_overwrite_output_dir_keeps_the_earlier_run_until_replaced(trained, tmp_path, capsys):
     """overwrite_output_dir with a data file whose bad row stops the new run before its first checkpoint: the
     earlier run is back as it was; a kill (SIGKILL) at the same point leaves it set aside, and the next start puts it

@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 
 from ..errors import ConfigError, OutputBusy
@@ -88,6 +89,16 @@ def check_earlier_run(training_args, model_args) -> bool:
 
 EARLIER_RUN = ".earlier-run"  # inside output_dir: an earlier run set aside by overwrite_output_dir
 
+# What a run writes into its output_dir (the Trainer's saves, ours, trackers'): overwrite_output_dir sets aside and
+# later removes these names only; anything else there (a user's notes, data, a home directory's files) stays.
+RUN_NAMES = re.compile(
+    r"^(checkpoint-\d+|merged|runs"  # checkpoints, a LoRA run's merged model, TensorBoard's logs
+    r"|(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?"  # weights
+    r"|config\.json|generation_config\.json|adapter_config\.json"
+    r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)"
+    r"|merges\.txt|chat_template\.(jinja|json)|(pre)?processor_config\.json|video_preprocessor_config\.json"
+    r"|trainer_state\.json|training_args\.bin|(train|eval|all)_results\.json|(loss|throughput|memory)\.png)$")
+
 
 @contextlib.contextmanager
 def earlier_run_set_aside(out: str):
@@ -95,12 +106,19 @@ def earlier_run_set_aside(out: str):
     deleted once it has written a checkpoint or its model, and put back if it stops before (a bad data row, a
     signal): a run that fails early never leaves output_dir with neither run."""
     aside = os.path.join(out, EARLIER_RUN)
-    names = [n for n in os.listdir(out) if n not in (LOCK_NAME, EARLIER_RUN) and not n.startswith(STAGING_PREFIX)]
+    names, kept = [], []
+    for n in sorted(os.listdir(out)):
+        if n in (LOCK_NAME, EARLIER_RUN) or n.startswith(STAGING_PREFIX):
+            continue
+        (names if RUN_NAMES.match(n) else kept).append(n)
     ckpts = ", ".join(checkpoint_steps(out)) or "the files"
     os.makedirs(aside, exist_ok=True)
     for n in names:
         os.rename(os.path.join(out, n), os.path.join(aside, n))
     logger.info("overwrite_output_dir: the earlier run in %s is set aside until this one writes a checkpoint", out)
+    if kept:
+        shown = ", ".join(kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else "")
+        logger.info("overwrite_output_dir: kept what is not a run's output in %s: %s", out, shown)
     try:
         yield
     finally:

@@ -231,7 +231,8 @@ class OffloadFields:
     overwrite_output_dir: bool = field(
         default=False,
         metadata={"help": "`offload-trainer train` refuses an output_dir that holds an earlier run's checkpoints or "
-                          "model unless this is true (its checkpoints are then removed when the run starts) or "
+                          "model unless this is true (that run's checkpoints, model and other outputs are then set aside, and "
+                          "removed once the new run writes its first checkpoint; files of yours there stay) or "
                           "resume_from_checkpoint is set. (transformers 4.x had this key; from Python the Trainer "
                           "writes wherever it is told, as before.)"},
     )
