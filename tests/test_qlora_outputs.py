@@ -85,8 +85,10 @@ def test_merge_refuses_an_out_that_is_not_new(tmp_path, capsys):
     stale = tmp_path / "stale"
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"an older model")
+    other = save_base(tmp_path / "other", torch.float32)  # another model: the same file names as the base's
     for out, needle in ((base_dir, "is the base model's directory"), (tmp_path / "adapters", "is the adapters' run"),
-                        (run, "holds a training run"), (stale, "holds files the base does not have")):
+                        (run, "holds a training run"), (stale, "holds files this merge did not write"),
+                        (other, "holds files this merge did not write")):
         before = (tree_hash(base_dir), tree_hash(out))
         assert cli.main(["merge", str(tmp_path / "adapters"), "--base", str(base_dir), "--out", str(out)]) == 2
         err = capsys.readouterr().err
@@ -96,6 +98,40 @@ def test_merge_refuses_an_out_that_is_not_new(tmp_path, capsys):
     for _ in range(2):  # (the second replaces the first)
         assert cli.main(["merge", str(tmp_path / "adapters"), "--base", str(base_dir), "--out", str(again)]) == 0
     assert AutoModelForCausalLM.from_pretrained(again, dtype=torch.float32) is not None
+    # a merge of other adapters there is not replaced by this one
+    model.save_pretrained(tmp_path / "adapters2")
+    before = tree_hash(again)
+    assert cli.main(["merge", str(tmp_path / "adapters2"), "--base", str(base_dir), "--out", str(again)]) == 2
+    assert "holds a merge of other adapters or another base" in capsys.readouterr().err and tree_hash(again) == before
+
+
+@pytest.mark.parametrize("shard", ["/ABS/victim.safetensors", "../victim.safetensors", "sub/../../victim.safetensors"])
+def test_merge_refuses_a_shard_outside_the_base(tmp_path, capsys, shard):
+    """A base whose index names a shard by an absolute path or through `..`: refused before anything is read or
+    written; the file it names is untouched and --out gets nothing."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from cli_cases import tree_hash
+
+    base_dir = save_base(tmp_path / "base", torch.float32)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model.save_pretrained(tmp_path / "adapters")
+    index = base_dir / "model.safetensors.index.json"
+    data = json.loads(index.read_text())
+    first = sorted(set(data["weight_map"].values()))[0]
+    victim = tmp_path / "victim.safetensors"
+    victim.write_bytes((base_dir / first).read_bytes())  # a valid shard, outside the base
+    name = shard.replace("/ABS/", str(tmp_path) + "/")
+    data["weight_map"] = {k: (name if v == first else v) for k, v in data["weight_map"].items()}
+    index.write_text(json.dumps(data))
+    before = (tree_hash(tmp_path / "base"), victim.read_bytes())
+    out = tmp_path / "out"
+    assert cli.main(["merge", str(tmp_path / "adapters"), "--base", str(base_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "which is not a file of" in err and "Traceback" not in err, err
+    assert (tree_hash(tmp_path / "base"), victim.read_bytes()) == before and not out.exists()
 
 
 def test_merge_with_a_broken_adapter_config(tmp_path, capsys):

@@ -51,10 +51,22 @@ def lora_pairs(adapter_dir: str) -> tuple[dict, float]:
 
 
 def base_shards(base_dir: str) -> list[str]:
+    """The base's safetensors shards, by name: each a file of `base_dir` itself -- an index naming an absolute path,
+    a `..` or a subdirectory is refused (the merge would read it, and write its merged copy by that name)."""
     index = os.path.join(base_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            return sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise MergeError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); transformers writes it "
+                             f"with a weight_map of tensor name -> shard file") from None
+        for name in names:
+            if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or \
+                    "/" in name or "\\" in name:
+                raise MergeError(f"{index} names the shard {name!r}, which is not a file of {base_dir!r}: the merge "
+                                 f"reads and writes shards inside the model's directory only")
+        return names
     if os.path.isfile(os.path.join(base_dir, "model.safetensors")):
         return ["model.safetensors"]
     raise MergeError(f"{base_dir!r} holds no safetensors weights (model.safetensors or its index): the merge reads "
@@ -62,6 +74,11 @@ def base_shards(base_dir: str) -> list[str]:
 
 
 TOKENIZER_FILES = ("tokenizer", "special_tokens", "chat_template")  # (the adapters' run saved the tokenizer it used)
+MERGE_RECORD = ".offload-trainer-merge.json"  # written with a merge: which base and adapters it merged
+
+
+def _merge_record(adapter_dir: str, base_dir: str) -> dict:
+    return {"base": os.path.realpath(base_dir), "adapters": os.path.realpath(adapter_dir)}
 
 
 def check_merge_target(adapter_dir: str, base_dir: str, out_dir: str) -> None:
@@ -78,11 +95,18 @@ def check_merge_target(adapter_dir: str, base_dir: str, out_dir: str) -> None:
     if names & {"trainer_state.json", "adapter_config.json"} or any(n.startswith("checkpoint-") for n in names):
         raise MergeError(f"--out {out_dir!r} holds a training run (trainer_state.json, checkpoints or adapters): "
                          f"the merge would replace its files. Give a new directory.")
-    ours = set(os.listdir(base_dir)) | {n for n in os.listdir(adapter_dir) if n.startswith(TOKENIZER_FILES)}
-    if not names <= ours:  # (a merge written there before holds only these)
-        raise MergeError(f"--out {out_dir!r} holds files the base does not have ({', '.join(sorted(names)[:3])}"
-                         f"{', ...' if len(names) > 3 else ''}): a model written there before would be loaded "
-                         f"beside the merge. Give a new or empty directory.")
+    try:  # an earlier merge of these adapters into this base, as it recorded itself, is replaced
+        with open(os.path.join(out_dir, MERGE_RECORD)) as f:
+            earlier = json.load(f)
+    except (OSError, ValueError):
+        earlier = None
+    if earlier == _merge_record(adapter_dir, base_dir):
+        return
+    what = (f"a merge of other adapters or another base ({earlier.get('adapters')} into {earlier.get('base')})"
+            if isinstance(earlier, dict) else
+            f"files this merge did not write ({', '.join(sorted(names)[:3])}{', ...' if len(names) > 3 else ''})")
+    raise MergeError(f"--out {out_dir!r} holds {what}: the merge writes only into a new or empty directory, or over "
+                     f"its own earlier merge of the same adapters and base. Give a new or empty directory.")
 
 
 def merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
@@ -115,4 +139,6 @@ def merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
         for name in os.listdir(adapter_dir):  # the tokenizer the run trained with, if it saved one
             if name.startswith(TOKENIZER_FILES):
                 shutil.copy(os.path.join(adapter_dir, name), os.path.join(staging, name))
+        with open(os.path.join(staging, MERGE_RECORD), "w") as f:
+            json.dump(_merge_record(adapter_dir, base_dir), f)
     return out_dir
