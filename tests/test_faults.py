@@ -428,6 +428,40 @@ def four_steps(tmp_path_factory) -> Path:
     return case.out
 
 
+def shard_weights(ckpt: Path) -> None:
+    """Re-save a checkpoint's model.safetensors one tensor per shard with an index, as transformers' own resume tests
+    do (`convert_to_sharded_checkpoint`)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(ckpt / "model.safetensors")
+    (ckpt / "model.safetensors").unlink()
+    names = [f"model-{i + 1:05d}-of-{len(tensors):05d}.safetensors" for i in range(len(tensors))]
+    (ckpt / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": dict(zip(tensors, names))}))
+    for (key, t), name in zip(tensors.items(), names):
+        save_file({key: t}, ckpt / name)
+
+
+def test_resharded_checkpoint_resumes_as_the_trainer_does(four_steps, tmp_path, capsys):
+    """A checkpoint whose weights were re-saved in another layout (sharded, with an index) resumes, with a line saying
+    so, to the losses of the run never stopped; a cut-short shard is still refused."""
+    case = copy_run(four_steps, tmp_path)
+    (case.out / "trainer_state.json").unlink()
+    for n in ("checkpoint-3", "checkpoint-4"):
+        shutil.rmtree(case.out / n)
+    shard_weights(case.out / "checkpoint-2")
+    (tmp_path / "cut").mkdir()
+    cut = copy_run(case.out, tmp_path / "cut")
+    shard = sorted((cut.out / "checkpoint-2").glob("model-*.safetensors"))[3]
+    shard.write_bytes(shard.read_bytes()[:-8])
+    rc, err = case.run(capsys, f"resume_from_checkpoint={case.out / 'checkpoint-2'}", "max_steps=4")
+    assert rc == 0, err
+    assert "its weights are not the files saved with it" in err and "the rest of the checkpoint matches" in err
+    assert losses(case.out, 4) == losses(four_steps, 4)
+    expect(cut, capsys, 2, "is damaged", f"{shard.name} cannot be read",
+           argv=[f"resume_from_checkpoint={cut.out / 'checkpoint-2'}", "max_steps=4"])
+
+
 @pytest.mark.parametrize("row, name, content", [
     ("newest-checkpoint-empty-scheduler", "scheduler.pt", b""),
     ("newest-checkpoint-empty-rng-state", "rng_state.pth", b""),

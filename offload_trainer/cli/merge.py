@@ -14,6 +14,7 @@ import os
 import shutil
 
 from ..errors import MergeError
+from ..trainer.checkpoint import index_shards
 from ..trainer.outputs import staged_save
 
 SKIP = {"adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "README.md"}
@@ -56,17 +57,9 @@ def base_shards(base_dir: str) -> list[str]:
     index = os.path.join(base_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         try:
-            with open(index) as f:
-                names = sorted(set(json.load(f)["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise MergeError(f"{index}: not a safetensors index ({type(e).__name__}: {e}); transformers writes it "
-                             f"with a weight_map of tensor name -> shard file") from None
-        for name in names:
-            if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or \
-                    "/" in name or "\\" in name:
-                raise MergeError(f"{index} names the shard {name!r}, which is not a file of {base_dir!r}: the merge "
-                                 f"reads and writes shards inside the model's directory only")
-        return names
+            return index_shards(index)
+        except ValueError as e:
+            raise MergeError(str(e)) from None
     if os.path.isfile(os.path.join(base_dir, "model.safetensors")):
         return ["model.safetensors"]
     raise MergeError(f"{base_dir!r} holds no safetensors weights (model.safetensors or its index): the merge reads "

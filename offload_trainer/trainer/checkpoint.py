@@ -28,6 +28,25 @@ _RNG = re.compile(r"^rng_state(_\d+)?\.pth$")
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
                 "pytorch_model.bin")
 MODEL_FILES = (*WEIGHT_FILES, "pytorch_model.bin.index.json")  # (what a saved model is recognised by)
+# Any layout transformers saves and loads weights in: whole, or sharded with an index.
+WEIGHT_NAME = re.compile(r"^(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+
+
+def index_shards(index: str) -> list[str]:
+    """The shard files a weights index (`*.index.json`) names, each a file of the index's own directory: an absolute
+    name, a `..` or a subdirectory would read (and a merge write) outside it. ValueError says what is wrong."""
+    try:
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a weights index ({type(e).__name__}: {e}); transformers writes it with a "
+                         f"weight_map of tensor name -> shard file") from None
+    for name in names:
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or "/" in name \
+                or "\\" in name:
+            raise ValueError(f"{index} names the shard {name!r}, which is not a file of "
+                             f"{os.path.dirname(index)!r}: shards are read from the model's directory only")
+    return names
 
 
 def checkpoint_steps(run_dir: str) -> dict[str, int]:
@@ -73,7 +92,14 @@ def _check_checksums(path: str) -> None:
             files = json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path!r} is damaged: its {CHECKSUMS} cannot be read ({e})") from None
+    # Weights re-saved in another layout (sharded, or whole again) load as the Trainer loads them: each file is then
+    # checked as readable (`_weights_shapes`), not against the hashes of files that are no longer there.
+    saved = {rel for rel in files if WEIGHT_NAME.match(rel)}
+    now = {n for n in os.listdir(path) if WEIGHT_NAME.match(n)}
+    relaid = saved != now and bool(now)
     for rel, want in files.items():
+        if relaid and rel in saved:
+            continue
         full = os.path.join(path, rel)
         size = os.path.getsize(full) if os.path.isfile(full) else None
         why = ("is missing" if size is None else f"has {size} bytes, {want['bytes']} when saved"
@@ -81,6 +107,14 @@ def _check_checksums(path: str) -> None:
                if _hash(full) != want["hash"] else None)
         if why:
             raise CheckpointError(f"checkpoint {path!r} is damaged: {rel} {why}. Resume from an earlier checkpoint.")
+    if relaid:
+        logger.warning("checkpoint %s: its weights are not the files saved with it (%s now, %s then): resumed from "
+                       "them as the Trainer would; the rest of the checkpoint matches what was saved", path,
+                       _names(now), _names(saved))
+
+
+def _names(names: set) -> str:
+    return ", ".join(sorted(names)[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def check_checkpoint(path: str, model=None) -> None:
@@ -98,10 +132,9 @@ def check_checkpoint(path: str, model=None) -> None:
     if not weights:
         raise CheckpointError(f"Can't find a valid checkpoint at {path}: it is incomplete, no model weights "
                               f"({', '.join(WEIGHT_FILES)}). Resume from an earlier checkpoint.")
-    if weights[0].endswith(".safetensors"):
-        shapes = _safetensors_shapes(os.path.join(path, weights[0]), path)
-        if model is not None:
-            _check_same_model(shapes, model, path)
+    shapes = _weights_shapes(path, weights[0])
+    if shapes is not None and model is not None:
+        _check_same_model(shapes, model, path)
     # Without these the Trainer resumes anyway -- with a fresh optimizer, a restarted schedule or other random
     # numbers -- and says nothing: a checkpoint lacking one is refused (and skipped by resume_from_checkpoint: true).
     opts = optimizer_files(path)
@@ -176,6 +209,26 @@ def load_optimizer_states(path: str) -> dict | None:
         else:
             merged["state"].update(sd["state"])
     return merged
+
+
+def _weights_shapes(path: str, first: str) -> dict[str, tuple] | None:
+    """The tensor shapes of a checkpoint's safetensors weights, whole or sharded (every shard its index names read:
+    a missing, cut-short or garbled one is refused); None for pickled weights."""
+    if not first.endswith((".safetensors", ".safetensors.index.json")):
+        return None
+    if first.endswith(".safetensors"):
+        return _safetensors_shapes(os.path.join(path, first), path)
+    try:
+        shards = index_shards(os.path.join(path, first))
+    except ValueError as e:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {e}. Resume from an earlier checkpoint.") from None
+    shapes = {}
+    for shard in shards:
+        if not os.path.isfile(os.path.join(path, shard)):
+            raise CheckpointError(f"checkpoint {path!r} is incomplete: {shard}, named by {first}, is missing. Resume "
+                                  f"from an earlier checkpoint.")
+        shapes.update(_safetensors_shapes(os.path.join(path, shard), path))
+    return shapes
 
 
 def _safetensors_shapes(file: str, path: str) -> dict[str, tuple]:
