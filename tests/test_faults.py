@@ -466,15 +466,32 @@ def test_resharded_checkpoint_resumes_as_the_trainer_does(four_steps, tmp_path, 
     ("newest-checkpoint-empty-scheduler", "scheduler.pt", b""),
     ("newest-checkpoint-empty-rng-state", "rng_state.pth", b""),
     ("newest-checkpoint-empty-trainer-state", "trainer_state.json", b"{}"),
+    ("newest-checkpoint-without-checksums", "checksums.json", None),
+    ("newest-checkpoint-malformed-checksums", "checksums.json", b'{"model.safetensors": 5}'),
+    ("newest-checkpoint-checksums-not-json", "checksums.json", b"[1, 2"),
+    ("newest-checkpoint-malformed-hyperparameters", "hyperparameters.json", b'{"learning_rate": '),
+    ("newest-checkpoint-hyperparameters-not-a-mapping", "hyperparameters.json", b"[]"),
 ])
 def test_damaged_newest_checkpoint_is_skipped(row, name, content, four_steps, tmp_path, capsys):
     case = copy_run(four_steps, tmp_path)
     (case.out / "trainer_state.json").unlink()  # (stopped after checkpoint-4: a finished run has nothing to resume)
-    (case.out / "checkpoint-4" / name).write_bytes(content)
+    if content is None:
+        (case.out / "checkpoint-4" / name).unlink()
+    else:
+        (case.out / "checkpoint-4" / name).write_bytes(content)
     rc, err = case.run(capsys, "resume_from_checkpoint=true", "max_steps=4")
     assert rc == 0, err
     assert "skipping checkpoint-4" in err and f"resuming from {case.out / 'checkpoint-3'}" in err
     assert losses(case.out, 4) == losses(four_steps, 4)  # step 4 trained again from checkpoint-3: the same run
+    if name in ("checksums.json", "hyperparameters.json"):  # named by its path: one sentence, nothing changed
+        shutil.rmtree(case.out / "checkpoint-4")
+        shutil.copytree(four_steps / "checkpoint-4", case.out / "checkpoint-4")
+        if content is None:
+            (case.out / "checkpoint-4" / name).unlink()
+        else:
+            (case.out / "checkpoint-4" / name).write_bytes(content)
+        expect(case, capsys, 2, f"checkpoint-4' is damaged: its {name}",
+               argv=[f"resume_from_checkpoint={case.out / 'checkpoint-4'}", "max_steps=5"])
 
 
 # ---------------------------------------------------------------------------------------------------- a real full disk

@@ -19,6 +19,7 @@ import zipfile
 from ..digest import ALGORITHM, files_digest
 from ..errors import CheckpointError
 from .outputs import STAGING_PREFIX
+from .resume_changes import RECORD
 
 logger = logging.getLogger("offload_trainer")
 
@@ -85,13 +86,24 @@ def write_checksums(path: str) -> None:
 
 def _check_checksums(path: str) -> None:
     listed = os.path.join(path, CHECKSUMS)
-    if not os.path.isfile(listed):  # (a checkpoint written before checksums were kept)
-        return
+    if not os.path.isfile(listed):
+        if os.path.isfile(os.path.join(path, RECORD)):  # (written after checksums were: they went missing since)
+            raise CheckpointError(f"checkpoint {path!r} is damaged: its {CHECKSUMS} is missing (every checkpoint "
+                                  f"with a {RECORD} was written with one), so its files cannot be checked. Resume "
+                                  f"from an earlier checkpoint.")
+        return  # (a checkpoint written before checksums were kept)
     try:
         with open(listed) as f:
             files = json.load(f)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {path!r} is damaged: its {CHECKSUMS} cannot be read ({e})") from None
+        raise CheckpointError(f"checkpoint {path!r} is damaged: its {CHECKSUMS} cannot be read ({e}). Resume from an "
+                              f"earlier checkpoint.") from None
+    if not isinstance(files, dict) or not all(
+            isinstance(rel, str) and not os.path.isabs(rel) and not os.path.normpath(rel).startswith("..")
+            and isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("hash"), str)
+            for rel, v in files.items()):
+        raise CheckpointError(f"checkpoint {path!r} is damaged: its {CHECKSUMS} is not a record of its files (each "
+                              f"file of the checkpoint: bytes and hash). Resume from an earlier checkpoint.")
     # Weights re-saved in another layout (sharded, or whole again) load as the Trainer loads them: each file is then
     # checked as readable (`_weights_shapes`), not against the hashes of files that are no longer there.
     saved = {rel for rel in files if WEIGHT_NAME.match(rel)}
@@ -147,7 +159,23 @@ def check_checkpoint(path: str, model=None) -> None:
                                   f"not continue the same training. Resume from an earlier checkpoint.")
         for f in files:
             _check_archive(f, path)
+    _check_hyperparameters(path)
     _check_checksums(path)
+
+
+def _check_hyperparameters(path: str) -> None:
+    """The hyperparameters a checkpoint recorded (resume_changes.py reads them) must be readable, or absent (older)."""
+    record = os.path.join(path, RECORD)
+    if not os.path.exists(record):
+        return
+    try:
+        with open(record) as f:
+            ok = isinstance(json.load(f), dict)
+    except (OSError, ValueError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: its {RECORD} is not a mapping of hyperparameters. "
+                              f"Resume from an earlier checkpoint.")
 
 
 def _check_trainer_state(path: str) -> None:
