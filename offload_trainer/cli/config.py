@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from ..errors import ConfigError
-from .limits import check_values
+from ..limits import check_values
 from .run_args import DataArguments, ModelArguments
 
 

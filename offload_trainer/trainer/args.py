@@ -20,6 +20,7 @@ from transformers import TrainingArguments
 # TrainingArguments lacks it, OffloadFields adds it and turns the old one on.
 HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in dataclasses.fields(TrainingArguments)}
 
+from ..limits import check_values
 from .. import settings as S
 from ..settings import OffloadSettings, device_states_text, layer_swap_text
 
@@ -272,6 +273,9 @@ class OffloadFields:
         if not HAS_ACTIVATION_CHECKPOINTING and self.activation_checkpointing:
             self.gradient_checkpointing = True
         super().__post_init__()
+        problems = check_values({k: v for k, v in vars(self).items() if isinstance(v, (int, float))})
+        if problems:  # (a NaN learning rate or clip norm would train NaN weights and log losses of 0)
+            raise ValueError("; ".join(problems))
         settings = OffloadSettings.from_args(self)  # every bound and conflict of our switches (ValueError)
         streams_optimizer(self, settings)  # a contradiction (offload_optimizer: true with optim: sgd) fails here
         conflict = several_gpus_conflict(self, settings)

@@ -1,6 +1,7 @@
-"""The values a config may hold, checked before anything loads: every number finite, counts positive, rates and
-probabilities in range, paths with `~` expanded. A value out of range would otherwise fail late (after the model
-loaded, as a traceback) or, worse, train silently wrong (a NaN learning rate gives NaN weights and exit 0).
+"""The values a run's arguments may hold: every number finite, counts positive, rates and probabilities in range,
+paths with `~` expanded. Checked before anything loads, for a config (cli/config.py) and for
+`OffloadTrainingArguments` built from Python (trainer/args.py). A value out of range would otherwise fail late (after
+the model loaded, as a traceback) or, worse, train silently wrong (a NaN learning rate gives NaN weights and exit 0).
 The offload switches' own bounds are settings.py's, checked when the arguments are built (also before any load)."""
 from __future__ import annotations
 
