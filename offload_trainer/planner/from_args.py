@@ -21,8 +21,9 @@ def plan_for_run(settings: OffloadSettings, config, seq: int, *, host_gb: float 
                  gpu_gb: float | None = None, model_args=None, lora_params: int | None = None,
                  weight_bits: int | None = None, ranks: int | None = None, other_models_gib: float = 0.0) -> Plan:
     """The planner for a run's resolved `settings` and a model config (raises PlanError).
-    `gpu_gb`: the GPU budget when `gpu_memory_limit_gb` is unset (e.g. the card's free memory); without either,
-    a switch left to the plan is off (nothing to plan for).
+    `gpu_gb`: the GPU's own budget (e.g. the card's free memory): the plan is made for it, or for
+    `gpu_memory_limit_gb` where that is less (or where the GPU is not known: planning from another machine); without
+    either, a switch left to the plan is off (nothing to plan for).
     `model_args`: its `lora_r`, `lora_target_modules` and `load_in_4bit` select LoRA / QLoRA.
     `other_models_gib`: GPU memory of models that only run forward beside the trained one (TRL's reference model),
     taken off the budget.
@@ -31,7 +32,7 @@ def plan_for_run(settings: OffloadSettings, config, seq: int, *, host_gb: float 
     bf16 weights when smaller; with LoRA too: checkpoints hold the adapters, but `offload-trainer train` also writes
     the merged model)."""
     s = settings
-    gpu = s.gpu_memory_limit_gb or gpu_gb
+    gpu = min((g for g in (s.gpu_memory_limit_gb, gpu_gb) if g), default=None)  # (a cap above the card is the card)
     if gpu and other_models_gib:
         gpu -= other_models_gib
     shape = ModelShape.from_config(config)

@@ -41,8 +41,10 @@ def apply_gpu_memory_limit(gib: float | None) -> None:
                           f"torch build, or no driver). Remove gpu_memory_limit_gb to train on the CPU; "
                           f"`offload-trainer plan` plans for a GPU without one.")
     total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if gib * 2**30 > total:
-        raise ConfigError(f"gpu_memory_limit_gb={gib} is more than this GPU has ({total / 2**30:.1f} GiB)")
+    if gib * 2**30 >= total:  # (a "24 GB" card has 23.99 GiB: the shipped configs' 24 is that card, not an error)
+        logger.info("gpu_memory_limit_gb=%g is not below this GPU's %.2f GiB: no cap, the card itself is the limit "
+                    "(the plan is made for the lesser of the two)", gib, total / 2**30)
+        return
     torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
 
 

@@ -36,9 +36,9 @@ def make_plan(trainer, run: RunState) -> None:
     seq = row_tokens(trainer, run)
     if config is None or not seq:
         return
-    # no cap given: plan for the card (its free memory and what the model already holds), so the switches left
-    # unset (gradient and activation offload, layer swap, states kept on the GPU) suit it
-    gpu_gb = limit or gpu_budget_gib(Machine().cuda_context_gib)
+    # plan for the card (its free memory and what the model already holds), or the cap where it is less, so the
+    # switches left unset (gradient and activation offload, layer swap, states kept on the GPU) suit it
+    gpu_gb = gpu_budget_gib(Machine().cuda_context_gib) if trainer.args.device.type == "cuda" else None
     others = reference_model_gib(trainer)
     if others:
         logger.info("plan: the reference model holds %.2f GiB of the GPU beside the trained one", others)
