@@ -524,3 +524,19 @@ def test_every_row_has_a_test():
     tested.add("interrupted")  # tests/test_checkpoint_kill.py::test_sigterm_saves_and_resumes
     missing = set(rows) - tested
     assert not missing, f"rows without a test: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    (dict(learning_rate=float("inf")), "learning_rate = inf: every number in a config must be finite"),
+    (dict(max_grad_norm=float("nan")), "max_grad_norm = nan: every number in a config must be finite"),
+    (dict(weight_decay=-0.1), "weight_decay = -0.1: must be zero or more"),
+    (dict(adam_beta2=1.0), "adam_beta2 = 1.0: must be at least 0 and below 1"),
+])
+def test_python_arguments_out_of_range(kwargs, needle, tmp_path):
+    """OffloadTrainingArguments built from Python refuse what the command refuses in a config (a NaN clip norm or an
+    infinite learning rate trained NaN weights, logging losses of 0.0); the defaults pass."""
+    from offload_trainer import OffloadTrainingArguments
+
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        OffloadTrainingArguments(output_dir=str(tmp_path), **kwargs)
+    assert OffloadTrainingArguments(output_dir=str(tmp_path)).learning_rate > 0

@@ -102,18 +102,3 @@ def test_layer_swap_off_and_on_survive_yaml_booleans(tmp_path):
     _, _, targs = parse_args(load_config(write(tmp_path, base), ["save_strategy=no", "bf16=no", "fp16=off"]))
     assert getattr(targs.save_strategy, "value", targs.save_strategy) == "no" and targs.bf16 is False
 
-
-@pytest.mark.parametrize("kwargs, needle", [
-    (dict(learning_rate=float("inf")), "learning_rate = inf: every number in a config must be finite"),
-    (dict(max_grad_norm=float("nan")), "max_grad_norm = nan: every number in a config must be finite"),
-    (dict(weight_decay=-0.1), "weight_decay = -0.1: must be zero or more"),
-    (dict(adam_beta2=1.0), "adam_beta2 = 1.0: must be at least 0 and below 1"),
-])
-def test_python_arguments_are_checked_as_a_config_is(kwargs, needle, tmp_path):
-    """OffloadTrainingArguments built from Python refuse what the command refuses in a config (a NaN clip norm or an
-    infinite learning rate trained NaN weights, logging losses of 0.0); the defaults pass."""
-    from offload_trainer import OffloadTrainingArguments
-
-    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
-        OffloadTrainingArguments(output_dir=str(tmp_path), **kwargs)
-    assert OffloadTrainingArguments(output_dir=str(tmp_path)).learning_rate > 0

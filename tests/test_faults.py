@@ -568,3 +568,27 @@ def test_gpu_out_of_memory_in_a_step(swap, fix, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(Trainer, "training_step", real)
     rc, err = case.run(capsys, "resume_from_checkpoint=true")
     assert rc == 0, err[-2000:]
+
+
+def test_gpu_limit_above_the_card(monkeypatch, caplog):
+    """apply_gpu_memory_limit: a cap at or above the card's memory caps nothing (it refused before, so the shipped
+    24 GB configs failed on a real 24 GB card); below it, the fraction of the card."""
+    import logging
+
+    from types import SimpleNamespace
+
+    import torch
+
+    from offload_trainer.trainer import mixin
+
+    fractions = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda i: SimpleNamespace(total_memory=25_757_220_864))  # an RTX 4090: 23.99 GiB
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fractions.append)
+    with caplog.at_level(logging.INFO, logger="offload_trainer"):
+        mixin.apply_gpu_memory_limit(24)
+    assert fractions == [] and "is not below this GPU's 23.99 GiB: no cap" in caplog.text
+    mixin.apply_gpu_memory_limit(12)
+    assert fractions == [pytest.approx(12 * 2**30 / 25_757_220_864)]
