@@ -102,10 +102,12 @@ def profile_summary(prof, wall: float, steps: int = 1, trace: str | None = None)
 
 
 def _activity(e) -> str:
-    """kineto's activity type (`kernel`, `gpu_memcpy`, `cuda_runtime`, `cpu_op`...); told from the device and name
-    where torch does not expose it (2.11)."""
+    """kineto's activity type (`kernel`, `gpu_memcpy`, `cuda_runtime`, `cpu_op`, `gpu_user_annotation`...); told from
+    the device and name where torch does not expose it (2.11: bench/trace_gaps.py tells annotations by name)."""
     if hasattr(e, "activity_type"):
         return str(e.activity_type())
+    if getattr(e, "is_user_annotation", lambda: False)() and e.device_type() != torch.autograd.DeviceType.CPU:
+        return "gpu_user_annotation"
     from torch.autograd import DeviceType
 
     name = e.name()
@@ -124,7 +126,7 @@ def write_trace(events, path: str) -> None:
     rows = []
     t0 = min((e.start_ns() for e in events), default=0)
     for e in events:
-        name, kind = e.name()[:120], _activity(e)
+        name, kind = e.name()[:300], _activity(e)  # (templated kernel names: their functor can be far in)
         rows.append([names.setdefault(name, len(names)), kinds.setdefault(kind, len(kinds)), e.device_resource_id(),
                      round((e.start_ns() - t0) / 1e3, 2), round(e.duration_ns() / 1e3, 2), e.correlation_id()])
     with gzip.open(path, "wt") as f:

@@ -168,7 +168,7 @@ def test_budget_lines_add_up_to_the_step_and_name_what_the_gpu_waited_for(tmp_pa
 
     ms = 1000.0
     names = ["sm90_xmma_gemm_bf16", "flash_fwd_kernel", "vectorized_elementwise_kernel", "Memcpy HtoD (Pinned -> Device)",
-             "cudaLaunchKernel", "cudaStreamSynchronize", "aten::add"]
+             "cudaLaunchKernel", "cudaStreamSynchronize", "aten::add", "Optimizer.step#AdamW.step", "_adamw8bit_kernel"]
     kinds = ["kernel", "gpu_memcpy", "cuda_runtime", "cpu_op"]
     events = [
         [0, 0, 7, 0 * ms, 10 * ms, 1], [1, 0, 7, 20 * ms, 10 * ms, 2], [2, 0, 7, 50 * ms, 10 * ms, 3],  # compute
@@ -179,12 +179,15 @@ def test_budget_lines_add_up_to_the_step_and_name_what_the_gpu_waited_for(tmp_pa
         [5, 2, 99, 10 * ms, 4 * ms, 20],                 # the CPU in a sync 10-14 ms,
         [6, 3, 99, 14 * ms, 2 * ms, 21],                 # an op 14-16 ms launching for 0.5 ms, then Python 16-18 ms
         [4, 2, 99, 15 * ms, 0.5 * ms, 22],
+        [7, 0, 7, 0 * ms, 60 * ms, 23],                  # an annotation drawn on the compute stream: not a kernel
+        [8, 0, 14, 2 * ms, 3 * ms, 24],                  # our update kernel, 2-5 ms, beside the first matmul
     ]
     b = budget.budget(budget.load(_write_trace(tmp_path / "ours.json.gz", names, kinds, events)))
     lines = b["lines"]
     assert b["step_ms"] == 60.0 and sum(lines.values()) == pytest.approx(60.0, abs=0.05)
     assert (lines["compute: matmul"], lines["compute: attention"], lines["compute: other kernels"]) == (10, 10, 10)
-    assert lines["idle, waiting for stream: h2d"] == 20.0 and lines["idle, waiting for stream: other"] == 2.0
+    assert lines["idle, waiting for stream: h2d"] == 20.0 and lines["idle, waiting for stream: update"] == 2.0
+    assert b["compute_beside_update_kernels_ms"] == 3.0 and b["other_streams_busy_ms"]["update"] == 3.0
     assert lines["idle, waiting for the CPU: host sync"] == 4.0
     assert lines["idle, waiting for the CPU: torch ops"] == 1.5
     assert lines["idle, waiting for the CPU: CUDA runtime (launches, events)"] == pytest.approx(0.51, abs=0.01)
