@@ -73,6 +73,20 @@ def test_yaml_duplicate_key(tmp_path, capsys, no_model_load):
     assert rc == 2 and "duplicate key 'learning_rate' (first at line 9; the last would win silently)" in err, err
 
 
+@pytest.mark.parametrize("row, text, needle", [
+    ("yaml-complex-key", b"model_config: tiny-llama\n? [a, b]\n: 1\n", "a key must be one value (a name), not a list"),
+    ("yaml-number-key", b"model_config: tiny-llama\n5: 1\n", "every top-level key is a name, and 5 (int) is not"),
+    ("yaml-null-key", b"model_config: tiny-llama\n~: 1\n", "every top-level key is a name, and None (NoneType)"),
+    ("yaml-nested-too-deeply", b"model_config: tiny-llama\nmodel_overrides: " + b"[" * 5000 + b"]" * 5000 + b"\n",
+     "nested too deeply to read"),
+])
+def test_yaml_keys_and_depth(row, text, needle, tmp_path, capsys, no_model_load):
+    """Keys that are not names (a list, a number, null) and nesting past the parser's depth: one sentence, exit 2
+    (were a raw TypeError from the "Did you mean" suggestion, and a RecursionError)."""
+    rc, err = run_config(write_config(tmp_path, text), capsys)
+    assert rc == 2 and needle in err, err
+
+
 def test_yaml_top_level_list(tmp_path, capsys, no_model_load):
     rc, err = run_config(write_config(tmp_path, b"- model_config: tiny-llama\n"), capsys)
     assert rc == 2 and "the top level must be a mapping of key: value, not list" in err

@@ -180,6 +180,12 @@ def _no_duplicate_keys(loader, node, deep=False):
         if key_node.tag == "tag:yaml.org,2002:merge":  # (`<<: *anchor`: its keys are defaults the mapping's own
             continue  # override; construct_mapping merges them)
         key = loader.construct_object(key_node, deep=deep)
+        try:
+            hash(key)
+        except TypeError:  # (`? [a, b]`: a list or mapping as a key)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a key must be one value (a name), not a {type(key).__name__}",
+                key_node.start_mark) from None
         if key in seen:
             raise yaml.constructor.ConstructorError(
                 None, None, f"duplicate key {key!r} (first at line {seen[key] + 1}; the last would win silently): "
@@ -218,6 +224,9 @@ def load_yaml(path: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8-sig") as f:  # (-sig: a byte-order mark some editors write is not a key)
             cfg = _load(f)
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to read (hundreds of levels of lists or mappings): a config "
+                          f"is a flat mapping of key: value, its values a few levels deep at most") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {e.start}): save the config as UTF-8") from None
     except OSError as e:
@@ -232,6 +241,10 @@ def load_yaml(path: str) -> dict[str, Any]:
                           f"e.g. copy configs/tiny-cpu.yaml")
     if not isinstance(cfg, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of key: value, not {type(cfg).__name__}")
+    odd = [k for k in cfg if not isinstance(k, str)]
+    if odd:  # (`5: 1`, `~: x`, `true: 1`: YAML reads them as a number, null or boolean)
+        raise ConfigError(f"{path}: every top-level key is a name, and {odd[0]!r} ({type(odd[0]).__name__}) is not: "
+                          f"write the key's name (`offload-trainer keys` lists them)")
     return cfg
 
 
