@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 
 import torch
@@ -126,7 +127,11 @@ def _splits(data_args, seed: int):
     if len(train) < 2:
         raise DataError(f"dataset {data_args.dataset_path!r} has {len(train)} record(s): too few to hold some out "
                         f"(eval_fraction); add data or set eval_fraction: 0")
-    parts = train.train_test_split(test_size=data_args.eval_fraction, seed=seed, shuffle=True)
+    frac, n = data_args.eval_fraction, len(train)
+    if math.floor((1.0 - frac) * n) < 1:  # (datasets' split: ceil(frac * n) held out, floor((1 - frac) * n) kept)
+        raise DataError(f"eval_fraction={frac:g} of the {n} records of {data_args.dataset_path!r} holds out all of "
+                        f"them, leaving none to train on: use eval_fraction below {(n - 1) / n:.3f}, or more data")
+    parts = train.train_test_split(test_size=frac, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
 
 

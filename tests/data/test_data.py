@@ -273,6 +273,18 @@ def test_eval_fraction_holds_out_random_records(tok, tmp_path):
     assert texts != sorted(f"record number {i}<|endoftext|>" for i in range(30, 40))  # not the file's last records
 
 
+def test_eval_fraction_leaving_no_training_rows(tok, tmp_path):
+    """An eval_fraction that holds out every record (3 records at 0.7 or 0.99): one sentence naming the largest that
+    works (was datasets' ValueError traceback); the largest that leaves one record trains on it."""
+    path = write_jsonl(tmp_path / "d.jsonl", [{"text": f"record number {i}"} for i in range(3)])
+    for frac in (0.7, 0.99):
+        with pytest.raises(DataError, match=r"holds out all of them, leaving none to train on: use eval_fraction below "
+                                            r"0\.667"):
+            build(tok, path, eval_fraction=frac, packing=False)
+    train, ev = build(tok, path, eval_fraction=0.6, packing=False)
+    assert (len(train), len(ev)) == (1, 2)
+
+
 def test_the_cache_is_reused_by_a_second_run(tok, tmp_path, monkeypatch):
     """A second build of the same data (a new run, a resume, another rank) tokenizes nothing: measured by counting
     the tokenizer's batch calls."""
