@@ -483,6 +483,27 @@ def test_links_planted_in_output_dir(tmp_path, capsys):
     assert json.loads((case.out / "trainer_state.json").read_text())["global_step"] == 2
 
 
+def test_staging_links_planted_in_output_dir(tmp_path, capsys):
+    """Links planted at the staging names (`.partial-save`, `.partial-checkpoint-N`) pointing at someone's
+    directories: the run removes the links (never what they point to), saves its checkpoints and model, and not one
+    byte is written through them (was a raw FileExistsError, with no model and no first checkpoint)."""
+    from cli_cases import tree_hash
+
+    case = Case(tmp_path)
+    case.out.mkdir()
+    victims = tmp_path / "victims"
+    for name in (".partial-save", ".partial-checkpoint-1", ".partial-checkpoint-2"):
+        (victims / name).mkdir(parents=True)
+        (victims / name / "keep.txt").write_text("not yours")
+        (case.out / name).symlink_to(victims / name, target_is_directory=True)
+    before = tree_hash(victims)
+    rc, err = case.run(capsys)
+    assert rc == 0, err
+    assert tree_hash(victims) == before and len(before) == 3
+    assert (case.out / "model.safetensors").is_file() and (case.out / "checkpoint-2").is_dir()
+    assert not any(p.name.startswith(".partial-") for p in case.out.iterdir())
+
+
 def test_secrets_stay_out_of_output_dir(tmp_path, capsys):
     """hub_token is not written into output_dir or its checkpoints (training_args.bin pickles the arguments)."""
     case = Case(tmp_path)

@@ -13,12 +13,11 @@ import json
 import logging
 import os
 import re
-import shutil
 import zipfile
 
 from ..digest import ALGORITHM, files_digest
 from ..errors import CheckpointError
-from .outputs import STAGING_PREFIX
+from .outputs import STAGING_PREFIX, remove_staging
 from .resume_changes import RECORD
 
 logger = logging.getLogger("offload_trainer")
@@ -62,7 +61,7 @@ def clean_staging(run_dir: str) -> None:
         return
     for name in os.listdir(run_dir):
         if name.startswith(STAGING_PREFIX):
-            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+            remove_staging(os.path.join(run_dir, name))
 
 
 CHECKSUMS = "checksums.json"

@@ -173,6 +173,16 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def remove_staging(path: str) -> None:
+    """Remove what stands at a staging name: a directory's tree, or a link or file there -- the link itself, never
+    what it points to (a link planted at `.partial-save` made the save fail: rmtree refuses links, makedirs found it)."""
+    if os.path.islink(path) or os.path.isfile(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def publish(staged: str, final: str) -> None:
     """Atomically make the complete directory `staged` appear as `final` (replacing an older one): flushed to disk
     first, so what appears is complete after a power loss too."""
@@ -181,7 +191,7 @@ def publish(staged: str, final: str) -> None:
     old = None
     if os.path.exists(final):  # rename() cannot replace a non-empty directory: move the old one aside first
         old = os.path.join(parent, STAGING_PREFIX + "old-" + os.path.basename(final))
-        shutil.rmtree(old, ignore_errors=True)
+        remove_staging(old)
         os.rename(final, old)
     os.rename(staged, final)
     fsync_dir(parent)
@@ -208,13 +218,13 @@ def staged_save(output_dir: str, what: str):
     next run -- never a half-written model beside a config that looks complete. A full disk becomes StorageError."""
     staging = os.path.join(output_dir, STAGING_FINAL)
     existed = os.path.isdir(output_dir)
-    shutil.rmtree(staging, ignore_errors=True)
+    remove_staging(staging)
     os.makedirs(staging)
     try:
         yield staging
         publish_into(staging, output_dir)
     except Exception as e:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_staging(staging)
         if not existed:  # (made for this save: nothing of it stays)
             with contextlib.suppress(OSError):
                 os.rmdir(output_dir)
@@ -224,4 +234,4 @@ def staged_save(output_dir: str, what: str):
                                f"space and save again (checkpoints, if any, are intact).") from None
         raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_staging(staging)

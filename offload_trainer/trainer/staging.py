@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import warnings
 
 import torch
@@ -17,7 +16,7 @@ from ..errors import CheckpointError, StorageError
 from .checkpoint import (check_checkpoint, clean_staging, load_optimizer_states, newest_complete_checkpoint,
                          optimizer_shard_name, write_checksums)
 from . import resume_changes
-from .outputs import STAGING_PREFIX, check_space, disk_full, free_bytes, publish
+from .outputs import STAGING_PREFIX, check_space, disk_full, free_bytes, publish, remove_staging
 from .run_state import RunState
 from .wiring import row_tokens
 
@@ -75,7 +74,7 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
     staging = os.path.join(run_dir, STAGING_PREFIX + name)
     main = trainer.args.should_save  # several ranks write into one staging dir; the main one publishes it
     if main:
-        shutil.rmtree(staging, ignore_errors=True)
+        remove_staging(staging)
         os.makedirs(staging)
     trainer.accelerator.wait_for_everyone()
     run.staging_dir = staging  # (the Trainer's _get_output_dir answers it while `save` runs)
@@ -98,7 +97,7 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
     finally:
         run.staging_dir = None
         if main:
-            shutil.rmtree(staging, ignore_errors=True)
+            remove_staging(staging)
     best = trainer.state.best_global_step
     if best and os.path.isdir(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")):
         trainer.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
