@@ -2,6 +2,8 @@
 (cli/main.py, `ENDINGS`), so a script can tell a bad input from a full disk from a busy output directory."""
 from __future__ import annotations
 
+import signal as _signal
+
 
 class ConfigError(ValueError):
     """A user error in a config, an override or the Trainer's arguments: the message names the key and what to
@@ -29,6 +31,10 @@ class StorageError(OSError):
 class OutputBusy(RuntimeError):
     """output_dir belongs to another run: one still running (its lock is held), or an earlier one whose checkpoints
     this run would silently replace."""
+
+
+# The signals that ask a run to stop: Ctrl-C, `kill` / a scheduler's preemption, a closed terminal or SSH session.
+STOP_SIGNALS = tuple(getattr(_signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(_signal, n))
 
 
 class TrainingInterrupted(KeyboardInterrupt):

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -589,7 +590,6 @@ def test_gpu_limit_above_the_card(monkeypatch, caplog):
     24 GB configs failed on a real 24 GB card); below it, the fraction of the card."""
     import logging
 
-    from types import SimpleNamespace
 
     import torch
 
@@ -606,3 +606,54 @@ def test_gpu_limit_above_the_card(monkeypatch, caplog):
     assert fractions == [] and "is not below this GPU's 23.99 GiB: no cap" in caplog.text
     mixin.apply_gpu_memory_limit(12)
     assert fractions == [pytest.approx(12 * 2**30 / 25_757_220_864)]
+
+
+def test_sighup_stops_cleanly(tmp_path):
+    """SIGHUP (a closed terminal or SSH session) inside the training loop is a request to stop, as SIGTERM is: the
+    step finishes and the run stops (it exited 129 with no save and no sentence); outside the loop, one sentence
+    naming it."""
+    import signal
+
+    from offload_trainer.cli import recipe
+    from offload_trainer.settings import OffloadSettings
+    from offload_trainer.trainer import guards
+    from offload_trainer.trainer.run_state import RunState
+
+    run, state = RunState(OffloadSettings()), SimpleNamespace(global_step=4)
+    before = signal.getsignal(signal.SIGHUP)
+    with guards.signals_stop_cleanly(run, state, str(tmp_path)):
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.05)
+    assert run.interrupted == signal.SIGHUP and signal.getsignal(signal.SIGHUP) == before
+    with pytest.raises(KeyboardInterrupt) as e:
+        with recipe._signals_say_where_the_run_stands(str(tmp_path / "c.yaml"), [f"output_dir={tmp_path}"]):
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(0.05)
+    assert e.value.signum == signal.SIGHUP and "SIGHUP outside the training loop" in str(e.value)
+
+
+def test_a_second_signal_stops_at_once(tmp_path):
+    """A second SIGTERM while the first one's step finishes stops at once, saying which signals, the unfinished step
+    and the last checkpoint, with the signal's exit code (it said 'SIGINT outside the training loop', 130)."""
+    import signal
+
+    from offload_trainer.cli.main import exit_code_of
+    from offload_trainer.errors import TrainingInterrupted
+    from offload_trainer.settings import OffloadSettings
+    from offload_trainer.trainer import guards
+    from offload_trainer.trainer.run_state import RunState
+
+    run, state = RunState(OffloadSettings()), SimpleNamespace(global_step=6)
+
+    def train():
+        with guards.signals_stop_cleanly(run, state, str(tmp_path)):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+
+    with pytest.raises(TrainingInterrupted, match=r"SIGTERM during step 7, after SIGTERM: stopped at once, the step "
+                                                  r"unfinished and not saved; no checkpoint was saved"):
+        train()
+    run.interrupted = None
+    assert exit_code_of(train) == 128 + signal.SIGTERM

@@ -11,7 +11,7 @@ import signal
 import threading
 
 from .. import sysinfo
-from ..errors import ConfigError, TrainingInterrupted
+from ..errors import STOP_SIGNALS, ConfigError, TrainingInterrupted
 from ..planner import Machine
 from ..settings import OffloadSettings
 from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save
@@ -23,9 +23,9 @@ from .earlier_run import (check_earlier_run, configured_output_dir, earlier_run_
 logger = logging.getLogger("offload_trainer")
 
 def train(config: str, overrides: list[str]) -> str:
-    """Train from a YAML config; returns the output directory. A SIGINT / SIGTERM outside the training loop (loading,
-    tokenizing, the final save; inside it the Trainer saves and stops cleanly) ends it with a sentence naming the last
-    complete checkpoint, as one inside it does."""
+    """Train from a YAML config; returns the output directory. A SIGINT / SIGTERM / SIGHUP outside the training loop
+    (loading, tokenizing, the final save; inside it the Trainer saves and stops cleanly) ends it with a sentence naming
+    the last complete checkpoint, as one inside it does."""
     refuse_busy_output_dir(config, overrides)  # in a fraction of a second: before transformers is imported
     with _signals_say_where_the_run_stands(config, overrides):
         out = _train(config, overrides)
@@ -45,21 +45,26 @@ def _leave_process_group() -> None:
 
 
 class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised as Ctrl-C is, so that the same clean-up runs."""
+    """SIGTERM or SIGHUP, raised as Ctrl-C is, so that the same clean-up runs."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
 
 
 @contextlib.contextmanager
 def _signals_say_where_the_run_stands(config: str, overrides: list[str]):
     def terminated(signum, frame):
-        raise _Terminated
+        raise _Terminated(signum)
 
-    old = signal.signal(signal.SIGTERM, terminated) if threading.current_thread() is threading.main_thread() else None
+    main = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, terminated) for s in STOP_SIGNALS if s != signal.SIGINT} if main else {}
     try:
         yield
     except KeyboardInterrupt as e:
         if isinstance(e, TrainingInterrupted):
             raise
-        signum = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+        signum = e.signum if isinstance(e, _Terminated) else signal.SIGINT
         out = configured_output_dir(config, overrides)
         ckpt = newest_complete_checkpoint(out) if out else None
         raise TrainingInterrupted(
@@ -67,8 +72,8 @@ def _signals_say_where_the_run_stands(config: str, overrides: list[str]):
             + (f"the last checkpoint is {ckpt} (continue with resume_from_checkpoint: true)" if ckpt else
                "no checkpoint was saved"), signum, ckpt) from None
     finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _train(config: str, overrides: list[str]) -> str:

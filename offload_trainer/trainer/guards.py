@@ -1,4 +1,4 @@
-"""Runs that end cleanly: SIGINT / SIGTERM finish the step, save and stop; optimizer steps with a non-finite loss or
+"""Runs that end cleanly: SIGINT / SIGTERM / SIGHUP finish the step, save and stop; optimizer steps with a non-finite loss or
 gradient norm are skipped (the streamed optimizer drops their gradients), and too many in a row stop the run; after
 train() returns, either ends the run with the exception the command turns into a sentence and an exit code."""
 from __future__ import annotations
@@ -10,29 +10,35 @@ import signal
 import threading
 
 from .checkpoint import newest_complete_checkpoint
-from ..errors import GpuOutOfMemory, TrainingInterrupted, TrainingStopped
+from ..errors import STOP_SIGNALS, GpuOutOfMemory, TrainingInterrupted, TrainingStopped
 from .run_state import RunState
 
 logger = logging.getLogger("offload_trainer")
 
 
 @contextlib.contextmanager
-def signals_stop_cleanly(run: RunState, state):
-    """SIGINT / SIGTERM: finish the current step, save if save_on_interrupt, then stop; twice: stop now. (`state`:
-    the Trainer's TrainerState, for the step named in the log.)"""
+def signals_stop_cleanly(run: RunState, state, output_dir: str | None = None):
+    """SIGINT / SIGTERM / SIGHUP: finish the current step, save if save_on_interrupt, then stop; a second one: stop
+    now, saying so (`TrainingInterrupted`, naming the last complete checkpoint in `output_dir`). (`state`: the
+    Trainer's TrainerState, for the step named in the log.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def handler(signum, frame):
+        name = signal.Signals(signum).name
         if run.interrupted is not None:
-            raise KeyboardInterrupt
+            ckpt = newest_complete_checkpoint(output_dir) if output_dir else None
+            raise TrainingInterrupted(
+                f"{name} during step {state.global_step + 1}, after {signal.Signals(run.interrupted).name}: stopped "
+                f"at once, the step unfinished and not saved; "
+                + (f"the last checkpoint is {ckpt} (continue with resume_from_checkpoint: true)" if ckpt
+                   else "no checkpoint was saved"), signum, ckpt)
         run.interrupted = signum
-        logger.warning("%s received: finishing step %d, then %s (again to stop at once)",
-                       signal.Signals(signum).name, state.global_step + 1,
-                       "saving a checkpoint" if run.settings.save_on_interrupt else "stopping")
+        logger.warning("%s received: finishing step %d, then %s (again to stop at once)", name,
+                       state.global_step + 1, "saving a checkpoint" if run.settings.save_on_interrupt else "stopping")
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield
     finally:
