@@ -141,6 +141,9 @@ def _check_messages(messages, where: str) -> None:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise DataError(f"{where}: message {j + 1} is {_kind(m) if not isinstance(m, dict) else m!r}; each "
                             f"message needs a 'role' and a 'content'")
+        if m["content"] is None and not m.get("tool_calls"):  # (a tool call's message may have no text)
+            raise DataError(f"{where}: message {j + 1} ({m['role']}) has no content (null): give its text, or drop "
+                            f"the message (the chat template would render it as empty, or as the word None)")
         if m["content"] is not None and not isinstance(m["content"], (str, list)):
             raise DataError(f"{where}: message {j + 1}'s content is {_kind(m['content'])}, not text")
 
