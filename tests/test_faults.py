@@ -149,6 +149,8 @@ DATA_ROWS = {
                                   "row 1: message 1 is {'content': 'hi'}"),
     "data-null-chat-content": ("d.jsonl", b'{"messages": [{"role": "user", "content": null}, {"role": "assistant", '
                                b'"content": "x"}]}\n', "", 2, "row 1: message 1 (user) has no content (null)"),
+    "data-csv-duplicate-column": ("d.csv", b"text,text\nhello,world\n", "", 2,
+                                  "its header names the column 'text' twice"),
     "data-messages-not-a-list": ("d.jsonl", b'{"messages": "hello"}\n', "", 2,
                                  "row 1: messages is a str, not a list of {role, content} messages"),
     "data-all-texts-empty": ("d.jsonl", b'{"text": ""}\n{"text": "   "}\n', "", 2,

@@ -53,6 +53,26 @@ def check_source(name: str) -> None:
                         f"with dataset_kwargs (e.g. {{builder: json}})")
     if not os.access(path, os.R_OK):
         raise DataError(f"dataset_path: {name!r} cannot be read (permission denied)")
+    if BUILDERS[os.path.splitext(path)[1].lower()] == "csv":
+        _check_csv_header(path, name)
+
+
+def _check_csv_header(path: str, name: str) -> None:
+    """A CSV header that names a column twice: pandas (datasets' reader) renames the second `text.1`, so the rows
+    would train on the first column only, without a word."""
+    import csv
+
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            header = next(csv.reader(f), [])
+    except (UnicodeDecodeError, csv.Error):
+        return  # (the reader says what is wrong with it, with the line)
+    seen = set()
+    for col in header:
+        if col in seen:
+            raise DataError(f"dataset_path: {name!r}: its header names the column {col!r} twice; the second would be "
+                            f"renamed and left out. Give each column its own name")
+        seen.add(col)
 
 
 def _known_by(ds, digest: str | None):
