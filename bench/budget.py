@@ -222,12 +222,10 @@ def markdown(entry: dict) -> str:
         f" | {q['residual_ms']:+.1f} ({100 * q['residual_of_measured_step']:+.1f}% of the step)" for q in refs) + " |")
     rows.append(f"| tok/s (ratio) | {o['tok_per_s']:.0f} | " + " | ".join(
         f"{q['tok_per_s']:.0f} | {q['ratio']:.3f}x" for q in refs) + " |")
-    rows.append(f"| other streams busy | {o['other_streams_busy_ms']} | " + " | ".join(
-        f"{q['other_streams_busy_ms']} | " for q in refs) + " |")
-    rows.append(f"| (of the compute lines) beside our update kernels | {o['compute_beside_update_kernels_ms']} | " + " | ".join(
-        f"{q['compute_beside_update_kernels_ms']} | " for q in refs) + " |")
-    rows.append(f"| host syncs (runtime calls) per step | {o['runtime_syncs_per_step']} | " + " | ".join(
-        f"{q['runtime_syncs_per_step']} | " for q in refs) + " |")
+    for label, key in (("other streams busy", "other_streams_busy_ms"),
+                       ("(of the compute lines) beside our update kernels", "compute_beside_update_kernels_ms"),
+                       ("host syncs (runtime calls) per step", "runtime_syncs_per_step")):
+        rows.append(f"| {label} | {o[key]} | " + " | ".join(f"{q[key]} | " for q in refs) + " |")
     return "\n".join(rows)
 
 

@@ -28,10 +28,7 @@ for m in $modes; do
     echo "row failed: trainer_native $m (rc $?)"
   rm -rf /tmp/budget_out
 done
-python3 .gpu/hold_gpu_memory.py 23.5 --seconds 3000 > /tmp/hold.log 2>&1 &
-hold=$!
-for _ in $(seq 60); do grep -q READY /tmp/hold.log && break; sleep 1; done
-cat /tmp/hold.log
+. bench/hold_card.sh && hold_card
 for m in $modes; do
   echo "=== ours $m ($(date +%T))"
   timeout "${ROW_TIMEOUT:-200}" python3 bench/trainer_bench.py "$config" gpu_memory_limit_gb= "$(clipkey "$m" 1000)" \

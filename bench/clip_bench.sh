@@ -14,10 +14,7 @@ for sys in ${NATIVE:-native native_clip}; do
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${ROW_TIMEOUT:-150}" python3 bench/step_bench.py "$sys" \
     "$model" --bs "$bs" --steps 6 --out "$out" || echo "row failed: $sys (rc $?)"
 done
-python3 .gpu/hold_gpu_memory.py 23.5 --seconds 3000 > /tmp/hold.log 2>&1 &
-hold=$!
-for _ in $(seq 60); do grep -q READY /tmp/hold.log && break; sleep 1; done
-cat /tmp/hold.log
+. bench/hold_card.sh && hold_card
 for spec in "max_grad_norm=1000" "max_grad_norm=0.000001 max_steps=$((steps + 2))" \
             "max_grad_norm=1.0 speculative_clipping=false" "max_grad_norm=0" ${EXTRA_ROWS:-}; do
   spec=${spec//,/ }

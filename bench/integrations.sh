@@ -36,10 +36,7 @@ mkdir -p $base
 variants=(); IFS=';' read -ra vs <<< "${VARIANTS:-}"; for v in "${vs[@]}"; do variants+=(--variant "$v"); done
 py prepare $base $work --model "${MODEL:-llama3-8b}" --seq "${SEQ:-2048}" --batch "${BATCH:-4}" \
   --steps "${STEPS:-10}" ${QLORA:+--qlora-base $qbase} ${CPU:+--cpu} "${variants[@]}" || exit 1
-python3 .gpu/hold_gpu_memory.py 23.5 --seconds 3000 > /tmp/hold.log 2>&1 &
-hold=$!
-for _ in $(seq 60); do grep -q READY /tmp/hold.log && break; sleep 1; done
-cat /tmp/hold.log
+. bench/hold_card.sh && hold_card
 for t in $tools; do
   echo "=== $t ($(date +%T))"
   tenv=(); IFS=";" read -ra es <<< "${ENVS:-}"; for e in "${es[@]}"; do [ "${e%%=*}" = "$t" ] && tenv+=("${e#*=}"); done

@@ -21,10 +21,7 @@ if [ -z "${NO_NATIVE:-}" ]; then
     rm -rf /tmp/long_native
   done
 fi
-python3 .gpu/hold_gpu_memory.py 23.5 --seconds 3000 > /tmp/hold.log 2>&1 &
-hold=$!
-for _ in $(seq 60); do grep -q READY /tmp/hold.log && break; sleep 1; done
-cat /tmp/hold.log
+. bench/hold_card.sh && hold_card
 # one held row: ours LENGTH [key=value ...] (the config's run at that length with the keys set)
 ours() {
   local s=$1; shift

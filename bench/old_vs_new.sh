@@ -9,10 +9,7 @@ set -u
 out=$1; config=$2; repeats=${3:-2}; shift 3 || shift $#
 export RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)}
 base=${PYTHONPATH:-}
-python3 .gpu/hold_gpu_memory.py 23.5 --seconds 3000 > /tmp/hold.log 2>&1 &
-hold=$!
-for _ in $(seq 60); do grep -q READY /tmp/hold.log && break; sleep 1; done
-cat /tmp/hold.log
+. bench/hold_card.sh && hold_card
 for i in $(seq "$repeats"); do
   for side in old new; do
     if [ "$side" = old ]; then root=$OLD; commit=${COMMIT_OLD:-old}; else root=$PWD; commit=${COMMIT_NEW:-new}; fi
