@@ -179,9 +179,7 @@ def test_speculative_clipping_with_data_parallel(tmp_path, monkeypatch):
 
 
 def test_disk_too_small(tmp_path, capsys, monkeypatch):
-    import offload_trainer.trainer.checkpoint as ck
-
-    monkeypatch.setattr(ck.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**9, 10**9 - 1000, 1000))
     expect(Case(tmp_path), capsys, 4, "not enough disk in", "GiB are free")
 
 
