@@ -105,6 +105,44 @@ def test_merge_refuses_an_out_that_is_not_new(tmp_path, capsys):
     assert "holds a merge of other adapters or another base" in capsys.readouterr().err and tree_hash(again) == before
 
 
+def test_merge_interrupted_leaves_nothing_and_retries(tmp_path, capsys, monkeypatch):
+    """SIGTERM during a merge: one sentence, exit 143, no staging directory left (the default action killed it and
+    left `.partial-save`); a staging directory a SIGKILL left does not stop the retry (it was refused as "files this
+    merge did not write"); the retried merge is the merge."""
+    import os
+    import signal
+
+    import safetensors.torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base_dir = save_base(tmp_path / "base", torch.float32)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model.save_pretrained(tmp_path / "adapters")
+    out = tmp_path / "out"
+    real, calls = safetensors.torch.save_file, []
+
+    def save_then_signal(*a, **k):
+        real(*a, **k)
+        calls.append(1)
+        if len(calls) == 2:  # the second shard written: a SIGTERM arrives
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_then_signal)
+    argv = ["merge", str(tmp_path / "adapters"), "--base", str(base_dir), "--out", str(out)]
+    assert cli.main(argv) == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "interrupted: SIGTERM during merge: nothing was written to" in err and "Traceback" not in err, err
+    assert not out.exists() or os.listdir(out) == []
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    (out / ".partial-save").mkdir(parents=True, exist_ok=True)  # as a SIGKILL would leave it
+    (out / ".partial-save" / "model-00001-of-00009.safetensors").write_bytes(b"half")
+    assert cli.main(argv) == 0
+    assert not (out / ".partial-save").exists()
+    assert AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32) is not None
+
+
 @pytest.mark.parametrize("shard", ["/ABS/victim.safetensors", "../victim.safetensors", "sub/../../victim.safetensors"])
 def test_merge_refuses_a_shard_outside_the_base(tmp_path, capsys, shard):
     """A base whose index names a shard by an absolute path or through `..`: refused before anything is read or

@@ -9,13 +9,16 @@ it), and the shard written -- so memory holds one shard and the adapters. The ou
 directory (config, tokenizer, shards and their index), written into a staging directory and moved into place."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
+import threading
 
-from ..errors import MergeError
+from ..errors import STOP_SIGNALS, MergeError, TrainingInterrupted
 from ..trainer.checkpoint import index_shards
-from ..trainer.outputs import staged_save
+from ..trainer.outputs import STAGING_PREFIX, staged_save
 
 SKIP = {"adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "README.md"}
 
@@ -84,7 +87,9 @@ def check_merge_target(adapter_dir: str, base_dir: str, out_dir: str) -> None:
                              f"e.g. --out {os.path.join(adapter_dir, 'merged')}")
     if not os.path.isdir(out_dir) or not os.listdir(out_dir):
         return
-    names = set(os.listdir(out_dir))
+    names = {n for n in os.listdir(out_dir) if not n.startswith(STAGING_PREFIX)}
+    if not names:  # (only what a merge cut short left staging: the next save removes it)
+        return
     if names & {"trainer_state.json", "adapter_config.json"} or any(n.startswith("checkpoint-") for n in names):
         raise MergeError(f"--out {out_dir!r} holds a training run (trainer_state.json, checkpoints or adapters): "
                          f"the merge would replace its files. Give a new directory.")
@@ -102,8 +107,30 @@ def check_merge_target(adapter_dir: str, base_dir: str, out_dir: str) -> None:
                      f"its own earlier merge of the same adapters and base. Give a new or empty directory.")
 
 
+@contextlib.contextmanager
+def _signals_end_the_merge(out_dir: str):
+    """SIGTERM / SIGHUP during a merge end it as Ctrl-C does: the staging directory is removed on the way out (the
+    default action killed the process and left `.partial-save` behind), and the command says so."""
+    def stop(signum, frame):
+        raise TrainingInterrupted(f"{signal.Signals(signum).name} during merge: nothing was written to {out_dir!r} "
+                                  f"(its partial files removed); run the merge again", signum, None)
+
+    main = threading.current_thread() is threading.main_thread()
+    old = {s: signal.signal(s, stop) for s in STOP_SIGNALS if s != signal.SIGINT} if main else {}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
     """Write base + adapters into `out_dir` (returned); the base's dtype kept."""
+    with _signals_end_the_merge(out_dir):
+        return _merge_lora(adapter_dir, base_dir, out_dir)
+
+
+def _merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
     from safetensors.torch import load_file, save_file
 
 
