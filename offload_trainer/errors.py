@@ -2,7 +2,9 @@
 (cli/main.py, `ENDINGS`), so a script can tell a bad input from a full disk from a busy output directory."""
 from __future__ import annotations
 
+import contextlib as _contextlib
 import signal as _signal
+import threading as _threading
 
 
 class ConfigError(ValueError):
@@ -35,6 +37,21 @@ class OutputBusy(RuntimeError):
 
 # The signals that ask a run to stop: Ctrl-C, `kill` / a scheduler's preemption, a closed terminal or SSH session.
 STOP_SIGNALS = tuple(getattr(_signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(_signal, n))
+
+
+@_contextlib.contextmanager
+def stop_signals_call(handler, *, with_sigint: bool = True):
+    """Within: `handler(signum, frame)` answers the stop signals (Ctrl-C too, unless `with_sigint` is False: Python's
+    own KeyboardInterrupt then); after, the handlers before. Signal handlers belong to the main thread: elsewhere,
+    nothing changes."""
+    main = _threading.current_thread() is _threading.main_thread()
+    signals = [s for s in STOP_SIGNALS if with_sigint or s != _signal.SIGINT] if main else []
+    old = {s: _signal.signal(s, handler) for s in signals}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            _signal.signal(s, h)
 
 
 class TrainingInterrupted(KeyboardInterrupt):

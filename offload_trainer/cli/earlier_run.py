@@ -10,7 +10,7 @@ import re
 import shutil
 
 from ..errors import ConfigError, OutputBusy
-from ..trainer.checkpoint import MODEL_FILES, checkpoint_steps
+from ..trainer.checkpoint import MODEL_FILES, WEIGHT_NAME, checkpoint_steps
 from ..trainer.outputs import LOCK_NAME, STAGING_PREFIX, OutputLock
 from .config import load_yaml, parse_overrides
 
@@ -93,7 +93,7 @@ EARLIER_RUN = ".earlier-run"  # inside output_dir: an earlier run set aside by o
 # later removes these names only; anything else there (a user's notes, data, a home directory's files) stays.
 RUN_NAMES = re.compile(
     r"^(checkpoint-\d+|merged|runs"  # checkpoints, a LoRA run's merged model, TensorBoard's logs
-    r"|(model|pytorch_model|adapter_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?"  # weights
+    r"|" + WEIGHT_NAME.pattern.strip("^$") +  # weights, whole or sharded
     r"|config\.json|generation_config\.json|adapter_config\.json"
     r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)"
     r"|merges\.txt|chat_template\.(jinja|json)|(pre)?processor_config\.json|video_preprocessor_config\.json"

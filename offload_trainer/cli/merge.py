@@ -9,14 +9,12 @@ it), and the shard written -- so memory holds one shard and the adapters. The ou
 directory (config, tokenizer, shards and their index), written into a staging directory and moved into place."""
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import signal
-import threading
 
-from ..errors import STOP_SIGNALS, MergeError, TrainingInterrupted
+from ..errors import MergeError, TrainingInterrupted, stop_signals_call
 from ..trainer.checkpoint import index_shards
 from ..trainer.outputs import STAGING_PREFIX, staged_save
 
@@ -107,26 +105,15 @@ def check_merge_target(adapter_dir: str, base_dir: str, out_dir: str) -> None:
                      f"its own earlier merge of the same adapters and base. Give a new or empty directory.")
 
 
-@contextlib.contextmanager
-def _signals_end_the_merge(out_dir: str):
-    """SIGTERM / SIGHUP during a merge end it as Ctrl-C does: the staging directory is removed on the way out (the
-    default action killed the process and left `.partial-save` behind), and the command says so."""
+def merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
+    """Write base + adapters into `out_dir` (returned); the base's dtype kept. SIGTERM / SIGHUP end it as Ctrl-C
+    does: the staging directory is removed on the way out (the default action killed the process and left
+    `.partial-save` behind), and the command says so."""
     def stop(signum, frame):
         raise TrainingInterrupted(f"{signal.Signals(signum).name} during merge: nothing was written to {out_dir!r} "
                                   f"(its partial files removed); run the merge again", signum, None)
 
-    main = threading.current_thread() is threading.main_thread()
-    old = {s: signal.signal(s, stop) for s in STOP_SIGNALS if s != signal.SIGINT} if main else {}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-def merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
-    """Write base + adapters into `out_dir` (returned); the base's dtype kept."""
-    with _signals_end_the_merge(out_dir):
+    with stop_signals_call(stop, with_sigint=False):
         return _merge_lora(adapter_dir, base_dir, out_dir)
 
 

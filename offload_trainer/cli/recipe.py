@@ -8,10 +8,9 @@ import contextlib
 import logging
 import os
 import signal
-import threading
 
 from .. import sysinfo
-from ..errors import STOP_SIGNALS, ConfigError, TrainingInterrupted
+from ..errors import ConfigError, TrainingInterrupted, stop_signals_call
 from ..planner import Machine
 from ..settings import OffloadSettings
 from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save
@@ -57,10 +56,9 @@ def _signals_say_where_the_run_stands(config: str, overrides: list[str]):
     def terminated(signum, frame):
         raise _Terminated(signum)
 
-    main = threading.current_thread() is threading.main_thread()
-    old = {s: signal.signal(s, terminated) for s in STOP_SIGNALS if s != signal.SIGINT} if main else {}
     try:
-        yield
+        with stop_signals_call(terminated, with_sigint=False):
+            yield
     except KeyboardInterrupt as e:
         if isinstance(e, TrainingInterrupted):
             raise
@@ -71,9 +69,6 @@ def _signals_say_where_the_run_stands(config: str, overrides: list[str]):
             f"{signal.Signals(signum).name} outside the training loop: "
             + (f"the last checkpoint is {ckpt} (continue with resume_from_checkpoint: true)" if ckpt else
                "no checkpoint was saved"), signum, ckpt) from None
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def _train(config: str, overrides: list[str]) -> str:
