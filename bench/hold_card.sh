@@ -1,4 +1,4 @@
-# Sourced by the device scripts: `hold_card` holds all but 23.5 GiB of the GPU in another process (a real 24 GB card:
+# Sourced by the device scripts. `hold_card` holds all but 23.5 GiB of the GPU in another process (a real 24 GB card:
 # .gpu/hold_gpu_memory.py, a copy of ../shared/gpu/hold_gpu_memory.py), waits for its READY line and sets $hold, the
 # process to kill when the held rows are done.
 hold_card() {
@@ -6,4 +6,12 @@ hold_card() {
   hold=$!
   for _ in $(seq 60); do grep -q READY /tmp/hold.log && break; sleep 1; done
   cat /tmp/hold.log
+}
+# `hold_host LEAVE`: hold the host's RAM (locked pages) until only LEAVE GiB stay available (57: a 64 GB machine;
+# .gpu/hold_host_memory.py, a copy of ../shared/gpu/hold_host_memory.py), wait for its READY line, set $host_hold.
+hold_host() {
+  python3 .gpu/hold_host_memory.py "$1" --seconds 3000 > /tmp/host_hold.log 2>&1 &
+  host_hold=$!
+  for _ in $(seq 180); do grep -q READY /tmp/host_hold.log && break; sleep 1; done
+  cat /tmp/host_hold.log
 }

@@ -464,7 +464,9 @@ def machine() -> str:
 def predicted(p) -> dict:
     """The row's `predicted`: a plan's GPU peak, host peak and step time (make_table compares them with the row's)."""
     return dict(gpu_peak_gib=round(p.gpu_peak_gib, 2), host_peak_gib=round(p.host_peak_gib, 2),
-                step_s=round(p.step_s, 3), fits=True)
+                step_s=round(p.step_s, 3), fits=True, host_budget_gib=p.host_budget_gib,
+                host_breakdown={k: round(v, 2) for k, v in p.host_breakdown.items()},
+                speculative_clipping=p.speculative_clipping)
 
 
 def argv_without_output() -> list[str]:

@@ -92,12 +92,14 @@ class OffloadSettings:
     check_nonfinite: bool = True
     max_nonfinite_steps: int = 0  # 0: skip non-finite steps but never stop
     gpu_memory_limit_gb: float | None = None
+    host_memory_limit_gb: float | None = None  # the host RAM the run may use (GiB): a budget, not a cap
     # the Trainer's own
     batch: int = 1
     max_grad_norm: float = 0.0
     accumulation: int = 1
     world_size: int = 1
     checkpointing: bool = False
+    data_workers: int = 0  # the data loader's worker processes (dataloader_num_workers)
 
     def __post_init__(self) -> None:
         if self.master_weights not in MASTER_WEIGHTS:
@@ -116,6 +118,9 @@ class OffloadSettings:
             raise ValueError(f"layer_swap_prefetch={self.layer_swap_prefetch}: use 0 or more")
         if self.gpu_memory_limit_gb is not None and not self.gpu_memory_limit_gb > 0:
             raise ValueError(f"gpu_memory_limit_gb={self.gpu_memory_limit_gb}: give a positive number of GiB")
+        if self.host_memory_limit_gb is not None and not self.host_memory_limit_gb > 0:
+            raise ValueError(f"host_memory_limit_gb={self.host_memory_limit_gb}: give a positive number of GiB (e.g. 57 "
+                             f"for a 64 GB machine)")
         if isinstance(self.layer_swap, int) and not isinstance(self.layer_swap, bool) and self.layer_swap < 0:
             raise ValueError(f"layer_swap={self.layer_swap}: use off, auto, or a number of layers (0 or more)")
         if self.activation_offload and not self.checkpointing:
@@ -156,12 +161,14 @@ class OffloadSettings:
             check_nonfinite=bool(limit) if own else True,
             max_nonfinite_steps=limit if own else 0,
             gpu_memory_limit_gb=get("gpu_memory_limit_gb", None),
+            host_memory_limit_gb=get("host_memory_limit_gb", None),
             batch=int(getattr(args, "per_device_train_batch_size", 1) or 1),
             max_grad_norm=float(getattr(args, "max_grad_norm", 0.0) or 0.0),
             accumulation=max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1)),
             world_size=int(getattr(args, "world_size", 1) or 1),
             checkpointing=bool(getattr(args, "gradient_checkpointing", False)
                                or getattr(args, "activation_checkpointing", False)),
+            data_workers=int(getattr(args, "dataloader_num_workers", 0) or 0),
         )
 
     @property

@@ -11,8 +11,11 @@ def proc_gib(path: str, key: str) -> float | None:
         return None
 
 
-def host_memory_gib() -> float | None:
-    return proc_gib("/proc/meminfo", "MemTotal")
+def host_available_gib() -> float | None:
+    """The host memory this process may grow to: what the machine has available (MemAvailable: free memory and the
+    page cache it can reclaim) plus what the process holds already."""
+    available = proc_gib("/proc/meminfo", "MemAvailable")
+    return None if available is None else available + (rss_gib() or 0.0)
 
 
 def rss_gib() -> float | None:

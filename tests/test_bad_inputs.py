@@ -140,19 +140,42 @@ def test_gpu_too_small(tmp_path, capsys, no_model_load):
 
 
 def test_host_ram_too_small(tmp_path, capsys, monkeypatch, no_model_load):
-    import offload_trainer.planner as planner
+    """Short of host memory the kernel's OOM killer would end the run (SIGKILL, no word): refused before the model
+    loads, GPU cap or not, naming the machine it needs and the fix."""
+    from offload_trainer import sysinfo
 
-    monkeypatch.setattr(planner, "host_memory_gib", lambda: 16.0)
-    expect(Case(tmp_path, "model_config: llama3-8b\nmodel_overrides: {}\ngpu_memory_limit_gb: 24\n"
-                          "max_seq_length: 2048\ntorch_dtype: bfloat16\n"
-                          "per_device_train_batch_size: 4\nmax_grad_norm: 0\n"), capsys, 2,
-           "Host RAM: the plans that fit the GPU need", "but 16.0 GiB are available")
+    monkeypatch.setattr(sysinfo, "host_available_gib", lambda: 16.0)
+    body = ("model_config: llama3-8b\nmodel_overrides: {}\nmax_seq_length: 2048\ntorch_dtype: bfloat16\n"
+            "per_device_train_batch_size: 4\nmax_grad_norm: 0\n")
+    expect(Case(tmp_path, body + "gpu_memory_limit_gb: 24\n"), capsys, 2,
+           "Host RAM: the plans that fit the GPU need 18.8 GiB", "but the host budget is 16.0 GiB (available on this "
+           "machine): the kernel would kill the run. Use a 24 GB machine", "or LoRA.")
+    # the key: the lesser of it and what is available
+    (tmp_path / "key").mkdir()
+    monkeypatch.setattr(sysinfo, "host_available_gib", lambda: 120.0)
+    expect(Case(tmp_path / "key", body + "gpu_memory_limit_gb: 24\nhost_memory_limit_gb: 12\n"), capsys, 2,
+           "but the host budget is 12.0 GiB (host_memory_limit_gb)")
+    # with no GPU cap, on the card's own memory: a GPU that does not fit only warns, a host that does not is refused
+    from types import SimpleNamespace
+
+    from offload_trainer.cli.recipe import make_plan
+    from offload_trainer.errors import ConfigError
+    from offload_trainer.models import architecture_config
+    from offload_trainer.settings import OffloadSettings
+
+    settings = OffloadSettings(offload_optimizer=True, batch=4)
+    data_args, model_args = SimpleNamespace(max_seq_length=2048), SimpleNamespace(torch_dtype="bfloat16")
+    cfg = architecture_config("llama3-8b")
+    with pytest.raises(ConfigError, match="host budget is 16.0 GiB"):
+        make_plan(model_args, data_args, settings, gpu_gb=24.0, host_gb=16.0, model_config=cfg, strict=False)
+    assert make_plan(model_args, data_args, settings, gpu_gb=8.0, host_gb=100.0, model_config=cfg,
+                     strict=False) is None  # (the GPU short: warned, trained with the switches as given)
 
 
 def test_speculative_clipping_short_of_host_ram(tmp_path, capsys, monkeypatch, no_model_load):
-    import offload_trainer.planner as planner
+    from offload_trainer import sysinfo
 
-    monkeypatch.setattr(planner, "host_memory_gib", lambda: 40.0)
+    monkeypatch.setattr(sysinfo, "host_available_gib", lambda: 40.0)
     body = ("model_config: llama3-8b\nmodel_overrides: {}\ngpu_memory_limit_gb: 24\nmax_seq_length: 2048\n"
             "torch_dtype: bfloat16\nper_device_train_batch_size: 4\nmax_grad_norm: 1.0\n")
     expect(Case(tmp_path, body + "speculative_clipping: true\n"), capsys, 2, "speculative_clipping: true cannot run",

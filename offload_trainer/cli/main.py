@@ -71,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     p_plan.add_argument("overrides", nargs="*")
     p_plan.add_argument("--json", action="store_true", help="machine-readable output")
     p_plan.add_argument("--host-gb", type=float, default=None,
-                        help="plan for a machine with this much RAM (GiB; default: this machine's)")
+                        help="plan for this much host memory (GiB) available to the run, as host_memory_limit_gb=... "
+                             "does (57 for a 64 GB machine); default: the config's host_memory_limit_gb, else what "
+                             "this machine has available")
     p_plan.add_argument("--gpus", type=positive_int, default=None,
                         help="plan data parallel over this many GPUs of this machine (torchrun --nproc_per_node N)")
     p_report = sub.add_parser("report", help="a run's summary and its loss / throughput / memory plots (PNG)")

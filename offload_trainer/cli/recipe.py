@@ -5,6 +5,7 @@ plan` is its first half."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -99,7 +100,8 @@ def _train(config: str, overrides: list[str]) -> str:
             # the run's one plan, before any weights (refused if it cannot fit a cap; none on a CPU: it plans GPU
             # memory); with no cap, for this GPU's memory, as the Trainer would plan
             plan = make_plan(model_args, data_args, settings, model_config=model_config, strict=False,
-                             gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib))
+                             gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib),
+                             host_gb=sysinfo.host_available_gib())
             if plan is not None:
                 logger.info("plan:\n%s", plan.table())
         if main_rank:
@@ -118,9 +120,13 @@ def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: floa
                  gpus: int | None = None) -> None:
     cfg = load_config(config, overrides)
     model_args, data_args, training_args = parse_args(cfg)
-    # no gpu_memory_limit_gb: on a machine with a GPU, plan for it, as the Trainer will
-    p = make_plan(model_args, data_args, OffloadSettings.from_args(training_args), host_gb, gpus,
-                  gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib))
+    settings = OffloadSettings.from_args(training_args)
+    if host_gb is not None:  # (--host-gb: the budget of the machine planned for, as the key is)
+        settings = dataclasses.replace(settings, host_memory_limit_gb=host_gb)
+    # no gpu_memory_limit_gb: on a machine with a GPU, plan for it, as the Trainer will; a host budget is planned for
+    # on any machine (a 64 GB desktop's run planned from a laptop), else this machine's available memory
+    p = make_plan(model_args, data_args, settings, gpus, gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib),
+                  host_gb=None if settings.host_memory_limit_gb else sysinfo.host_available_gib())
     if as_json:
         import json
 
@@ -165,21 +171,22 @@ def model_errors(path: str | None, what: str):
         raise ConfigError(f"model_name_or_path {path!r}: cannot load {what}: {first}. ({fix})") from None
 
 
-def make_plan(model_args, data_args, settings, host_gb: float | None = None, gpus: int | None = None,
-              gpu_gb: float | None = None, model_config=None, strict: bool = True):
+def make_plan(model_args, data_args, settings, gpus: int | None = None, gpu_gb: float | None = None,
+              host_gb: float | None = None, model_config=None, strict: bool = True):
     """The plan, or ConfigError naming what to change when none fits. An architecture the planner does not know is
-    refused by `plan` (strict) and trained without a plan by `train` (said in the log)."""
-    from ..planner import PlanError, UnknownArchitecture, host_memory_gib, plan_for_run
+    refused by `plan` (strict) and trained without a plan by `train` (said in the log). `gpu_gb`, `host_gb`: what
+    this machine has for the run (the plan is for the settings' limits where those are less)."""
+    from ..planner import HostPlanError, PlanError, UnknownArchitecture, plan_for_run
     try:
-        return plan_for_run(settings, model_config or model_config_of(model_args),
-                            data_args.max_seq_length, host_gb=host_gb or host_memory_gib(), gpu_gb=gpu_gb,
-                            model_args=model_args, ranks=gpus)
+        return plan_for_run(settings, model_config or model_config_of(model_args), data_args.max_seq_length,
+                            host_gb=host_gb, gpu_gb=gpu_gb, model_args=model_args, ranks=gpus)
     except UnknownArchitecture as e:
         if strict:
             raise ConfigError(f"{e}") from None
         logger.warning("no plan: %s", e)
     except PlanError as e:
-        if strict or settings.gpu_memory_limit_gb:
+        # (short of host memory, the kernel would kill the run with no word: refused, GPU budget or not)
+        if strict or settings.gpu_memory_limit_gb or isinstance(e, HostPlanError):
             raise ConfigError(f"{e}") from None
         # (the card's own memory, no cap asked for: training tries with the switches as given, as the Trainer does)
         logger.warning("the planner finds no plan that fits this GPU (%.1f GiB): %s", gpu_gb or 0, e)

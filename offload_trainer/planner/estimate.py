@@ -20,7 +20,7 @@ def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool
              resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
              block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1, fused_update: bool = True,
              device_states: float = 0, save_shard: int = 0, wb: int = 2, speculative: bool = False,
-             tiled: bool = False) -> dict:
+             tiled: bool = False, workers: int = 0) -> dict:
     """Memory of one micro-batch of `batch` x `seq` tokens; traffic and time of one optimizer step of `accum`
     micro-batches. Data parallel over `ranks` processes (`node_ranks` of them on this host): each holds 1/ranks of
     the states; GPU figures are per process, host figures per node. `device_states`: bytes of 8-bit states kept on
@@ -28,14 +28,15 @@ def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool
     gradients, activations: 2 for bf16, 4 for float32); the 8-bit states are 2 bytes per value whatever it is.
     `speculative` (with `clip`): speculative clipping, on the steps whose clip does not fire (a redone step runs its
     micro-batches twice); the GPU must also hold exact clipping's step, which it falls back to. `tiled`: each MLP in
-    tiles of `MLP_TILE_TOKENS` positions (engine/tiled_mlp.py)."""
+    tiles of `MLP_TILE_TOKENS` positions (engine/tiled_mlp.py). `workers`: the data loader's worker processes
+    (each process's)."""
     L = shape.layers
     x = SimpleNamespace(shape=shape, params=params, batch=batch, seq=seq, clip=clip, og=offload_gradients,
                         act=activation_offload, loss_chunk=loss_chunk, chunk_numel=chunk_numel, inflight=inflight,
                         m=machine, swap_slots=swap_slots, lora=lora, weight_bits=weight_bits, block=block, accum=accum,
                         ranks=ranks, node_ranks=node_ranks, fused_update=fused_update, device_states=device_states,
                         save_shard=save_shard, wb=wb, T=batch * seq, swapped=L - (L if resident is None else resident),
-                        spec=speculative and clip and not lora, tiled=tiled)
+                        spec=speculative and clip and not lora, tiled=tiled, workers=workers)
     _weights(x)
     _gpu_held(x)
     _gpu_phase(x)
@@ -43,6 +44,7 @@ def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool
     _traffic(x)
     _time(x)
     return dict(reserved=x.reserved, allocated=x.allocated, host=x.host, pinned=x.pinned, pcie=x.h2d + x.d2h,
+                host_breakdown={k: v / GiB for k, v in x.host_parts.items()},
                 working=x.phase - x.checkpoints - x.grads_kept,
                 step=x.step, native=x.t_native, cpu_bound=x.cpu_bound,
                 breakdown={"weights": x.weights / GiB, "swap slots": x.swap_gpu / GiB,
@@ -150,18 +152,33 @@ def _gradients_kept(x) -> None:
 
 def _host(x) -> None:
     """Pinned host memory: the streamed states, host gradients, offloaded activations and swapped layers (per node);
-    the host peak adds each process's base RSS and a save's shard, or is the layers' load, where that is higher."""
+    the host peak adds each process's base RSS, the data loader's workers and a save's shard, or is the layers' load,
+    where that is higher. `host_parts` is the peak's breakdown (bytes), which sums to it."""
     x.states = x.all_states - x.device_states if not x.lora else 0  # this process's, streamed
     x.host_grads = x.wb * x.params / x.ranks - x.device_grads if x.og and not x.lora else 0
     # speculative clipping: a second bank of states, and the weights' backups in the spare buffer (host gradients')
     x.backups = x.wb * x.params / x.ranks - x.device_grads if x.spec else 0
     x.host_acts = x.shape.layers * x.ckpt_per_layer if x.act else 0
     spare = max(x.host_grads, x.backups)
-    x.pinned = x.node_ranks * (x.states * (2 if x.spec else 1) + spare + x.host_acts + x.swapped * x.layer_bytes)
-    x.host = x.node_ranks * x.m.host_base_gib * GiB + x.pinned + x.save_shard  # (one process saves)
+    n = x.node_ranks
+    pinned = {"8-bit optimizer states (pinned)": n * x.states,
+              "second bank of states (speculative clipping)": n * x.states if x.spec else 0,
+              ("weights' backups (speculative clipping)" if x.backups >= x.host_grads
+               else "gradients waiting (pinned)"): n * spare,
+              "offloaded activations (pinned)": n * x.host_acts,
+              "swapped layers (pinned)": n * x.swapped * x.layer_bytes}
+    x.pinned = sum(pinned.values())
+    process = {"Python, torch, CUDA context, the batch": n * x.m.host_base_gib * GiB,
+               "data loader workers": n * x.workers * x.m.worker_gib * GiB}
+    x.host_parts = {**process, **pinned, "a save's shard": x.save_shard}  # (one process saves)
     if x.swapped:  # with layer swap every decoder layer is first made (or loaded) in CPU memory, one by one, and only
         # then pinned or moved to the GPU: a QLoRA run peaks there (70B: all 80 NF4 layers, 34.8 GiB measured)
-        x.host = max(x.host, x.node_ranks * (x.m.host_base_gib * GiB + x.shape.layers * x.layer_bytes))
+        load = {"Python, torch, CUDA context, the batch": n * x.m.host_base_gib * GiB,
+                "every decoder layer, loaded before the swap places it": n * x.shape.layers * x.layer_bytes}
+        if sum(load.values()) > sum(x.host_parts.values()):
+            x.host_parts = load
+    x.host_parts = {k: v for k, v in x.host_parts.items() if v}
+    x.host = sum(x.host_parts.values())
 
 
 def _traffic(x) -> None:

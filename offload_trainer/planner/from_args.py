@@ -28,11 +28,14 @@ def plan_for_run(settings: OffloadSettings, config, seq: int, *, host_gb: float 
     `other_models_gib`: GPU memory of models that only run forward beside the trained one (TRL's reference model),
     taken off the budget.
     `ranks`: data parallel processes on this node (default: the launcher's, `settings.world_size` and
-    LOCAL_WORLD_SIZE; one process sees one GPU). The host peak includes a save's shard (`SAVE_SHARD_BYTES`, or the
+    LOCAL_WORLD_SIZE; one process sees one GPU).
+    `host_gb`: the host memory this machine has for the run (what is available); the plan is made for it, or for
+    `host_memory_limit_gb` where that is less (or where this machine's is not given: planning for another machine). The host peak includes a save's shard (`SAVE_SHARD_BYTES`, or the
     bf16 weights when smaller; with LoRA too: checkpoints hold the adapters, but `offload-trainer train` also writes
     the merged model)."""
     s = settings
     gpu = min((g for g in (s.gpu_memory_limit_gb, gpu_gb) if g), default=None)  # (a cap above the card is the card)
+    host, source = host_budget(s.host_memory_limit_gb, host_gb)
     if gpu and other_models_gib:
         gpu -= other_models_gib
     shape = ModelShape.from_config(config)
@@ -52,7 +55,8 @@ def plan_for_run(settings: OffloadSettings, config, seq: int, *, host_gb: float 
     def left_to_plan(value):  # (None lets the planner choose, which needs a budget)
         return value if gpu else bool(value)
 
-    return plan(config, batch=s.batch, seq=seq, gpu_memory_limit_gb=gpu, host_memory_gb=host_gb,
+    return plan(config, batch=s.batch, seq=seq, gpu_memory_limit_gb=gpu, host_memory_gb=host,
+                host_budget_source=source, workers=s.data_workers,
                 max_grad_norm=s.max_grad_norm, loss_chunk=s.loss_chunk_size, chunk_numel=s.chunk_numel,
                 inflight=s.inflight_chunks, fused_update=s.fused_update is not False, device_states=s.device_states,
                 activation_offload=left_to_plan(s.activation_offload), tiled_mlp=left_to_plan(s.tiled_mlp),
@@ -60,6 +64,17 @@ def plan_for_run(settings: OffloadSettings, config, seq: int, *, host_gb: float 
                 speculative=left_to_plan(s.speculative_clipping), layer_swap=s.layer_swap, lora_params=lora,
                 weight_bits=bits, accum=s.accumulation, ranks=ranks or 1, node_ranks=node_ranks,
                 save_shard_bytes=min(SAVE_SHARD_BYTES, saved), weight_bytes=wb)
+
+
+def host_budget(limit_gb: float | None, available_gb: float | None) -> tuple[float | None, str]:
+    """The host budget a plan is made for, and where it comes from (for the table): the lesser of
+    `host_memory_limit_gb` and what this machine has available."""
+    if limit_gb and (not available_gb or limit_gb <= available_gb):
+        return limit_gb, "host_memory_limit_gb"
+    if available_gb:
+        return available_gb, ("available on this machine, less than host_memory_limit_gb" if limit_gb
+                              else "available on this machine")
+    return None, ""
 
 
 def dtype_bytes(dtype) -> int:

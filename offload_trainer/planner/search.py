@@ -10,7 +10,7 @@ import math
 from ..engine.sizes import STATE_BYTES_PER_VALUE
 from ..settings import CHUNK_NUMEL, INFLIGHT_CHUNKS, LOSS_CHUNK, MLP_TILE_TOKENS
 from .estimate import estimate as _estimate
-from .shape import GiB, Machine, ModelShape, PlanError
+from .shape import GiB, HostPlanError, Machine, ModelShape, PlanError, machine_for
 from .table import Plan
 
 
@@ -21,7 +21,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
          lora_params: int = 0, weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
          fused_update: bool = True, device_states: str | float = 0, save_shard_bytes: int = 0,
          weight_bytes: int = 2, speculative: bool | None = None, tiled_mlp: bool | None = False,
-         machine: Machine = Machine()) -> Plan:
+         workers: int = 0, host_budget_source: str = "", machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
 
     `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
@@ -40,8 +40,11 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     `speculative`: speculative clipping (with `max_grad_norm`): None takes it where it is faster and the host budget
     has room (`_with_speculation`); True insists; False clips exactly.
     `tiled_mlp`: each MLP in tiles (engine/tiled_mlp.py); None takes it only where no plan fits without it.
+    `workers`: the data loader's worker processes (host memory). `host_budget_source`: what `host_memory_gb` is,
+    for the table ("host_memory_limit_gb", "available on this machine").
 
-    Raises PlanError, naming the knob to change, when none fits.
+    Raises PlanError, naming the knob to change, when none fits; HostPlanError when plans fit the GPU but not the
+    host, naming the machine they need.
     """
     shape = ModelShape.from_config(config)
     n = params or shape.params
@@ -51,10 +54,11 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                             inflight=inflight, machine=machine, lora=lora_params, weight_bits=weight_bits,
                             accum=accum, ranks=ranks, node_ranks=ranks if node_ranks is None else node_ranks,
                             fused_update=fused_update, device_states=fixed_states, save_shard=save_shard_bytes,
-                            wb=weight_bytes)
+                            wb=weight_bytes, workers=workers)
     base = dict(params=n, batch=batch, seq=seq, clip=clip, lora_params=lora_params, rates_of=machine.name, accum=accum,
                 ranks=ranks, gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb, layers=shape.layers,
-                device_state_gib=fixed_states / GiB, save_shard_gib=save_shard_bytes / GiB)
+                device_state_gib=fixed_states / GiB, save_shard_gib=save_shard_bytes / GiB,
+                host_budget_source=host_budget_source)
     gpu_usable = (gpu_memory_limit_gb - machine.cuda_context_gib) * GiB if gpu_memory_limit_gb else math.inf
     host_usable = host_memory_gb * GiB if host_memory_gb else math.inf
     # layer_swap auto starts with a margin below the budget: its first steps measure the peak and move layers onto
@@ -88,8 +92,9 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                                       host_usable, host_memory_gb, speculative)
             p.notes += _notes(p, e, shape, weight_bytes)
             return p
-    raise PlanError(_advice(tried, est, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb, machine,
-                            weight_bytes))
+    advice = _advice(tried, est, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb, machine,
+                     weight_bytes, host_budget_source)
+    raise (HostPlanError if any(gpu_fits) else PlanError)(advice)
 
 
 def _candidates(layers: int, layer_swap, activation_offload, offload_gradients, *, grads_wait: bool, lora: bool,
@@ -155,7 +160,8 @@ def _with_speculation(p: Plan, est, host_usable: float, host_gb: float | None, s
     e = est(speculative=True) if why_not is None else None
     if e is not None and e["host"] > host_usable:
         why_not = (f"speculative clipping needs {e['host'] / GiB:.1f} GiB of host memory (a second bank of 8-bit states "
-                   f"and the weights' backups), {host_gb:.1f} GiB are available")
+                   f"and the weights' backups), the host budget is {host_gb:.1f} GiB"
+                   + (f" ({p.host_budget_source})" if p.host_budget_source else ""))
     if why_not is not None:
         if speculative:
             raise PlanError(f"speculative_clipping: true cannot run: {why_not}. Set speculative_clipping: false "
@@ -226,10 +232,11 @@ def _predicted(e: dict) -> dict:
     """The Plan fields an `_estimate` gives."""
     return dict(gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB, host_peak_gib=e["host"] / GiB,
                 pinned_gib=e["pinned"] / GiB, pcie_gb_per_step=e["pcie"] / 1e9, step_s=e["step"],
-                native_step_s=e["native"], breakdown=e["breakdown"])
+                native_step_s=e["native"], breakdown=e["breakdown"], host_breakdown=e["host_breakdown"])
 
 
-def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine, wb: int = 2) -> str:
+def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine, wb: int = 2,
+            source: str = "") -> str:
     best = min(tried, key=lambda p: p.gpu_peak_gib)
     same_switches = functools.partial(estimate, offload_gradients=best.offload_gradients,
                                       activation_offload=best.activation_offload, resident=best.resident_layers,
@@ -263,11 +270,17 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
     gpu_ok = [p for p in tried if p.gpu_peak_gib * GiB <= gpu_usable]
     if gpu_ok:  # the GPU is not the problem: host RAM is
         lean = min(gpu_ok, key=lambda p: p.host_peak_gib)
-        fixes = (["max_grad_norm: 0 (updates during backward need no host gradient buffer: "
-                  f"{wb * n / GiB:.1f} GiB less)"] if lean.offload_gradients else []) + ["more RAM"]
+        fixes = [f"{machine_for(lean.host_peak_gib)} (one whose RAM leaves {lean.host_peak_gib:.1f} GiB available)"]
+        if lean.clip and lean.offload_gradients:
+            freed = lean.host_breakdown.get("gradients waiting (pinned)", 0.0)
+            fixes.insert(0, f"max_grad_norm: 0 (no clipping: updates during backward need no host gradient buffer, "
+                            f"{lean.host_peak_gib - freed:.1f} GiB)")
         fixes += [] if lean.lora_params else ["LoRA"]
-        msgs.append(f"Host RAM: the plans that fit the GPU need {lean.host_peak_gib:.1f} GiB (RSS + pinned), but "
-                    f"{host_gb:.1f} GiB are available. Use " + ", or ".join(fixes) + ".")
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in lean.host_breakdown.items())
+        source = f" ({source})" if source else ""
+        msgs.append(f"Host RAM: the plans that fit the GPU need {lean.host_peak_gib:.1f} GiB (GiB: {parts}), but the "
+                    f"host budget is {host_gb:.1f} GiB{source}: the kernel would kill the run. Use "
+                    + ", or ".join(fixes) + ".")
     return "no plan fits. " + " ".join(msgs)
 
 

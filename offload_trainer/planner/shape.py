@@ -12,6 +12,23 @@ class PlanError(ValueError):
     """No plan fits: the message says which knob to change and by how much."""
 
 
+class HostPlanError(PlanError):
+    """Plans fit the GPU but none fits the host's memory: a run would be killed by the kernel's OOM killer (SIGKILL,
+    everything since the last checkpoint lost), so it is refused even where a GPU that does not fit only warns."""
+
+
+# what an OS (and a desktop) keep of a machine's RAM: a 64 GB machine has 59.6 GiB, about 57 of them available
+OS_KEEPS_GIB = 2.6
+RAM_SIZES_GB = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
+def machine_for(host_gib: float) -> str:
+    """The smallest usual RAM size whose available memory holds `host_gib`, as a phrase ("a 96 GB machine")."""
+    need_gb = (host_gib + OS_KEEPS_GIB) * GiB / 1e9
+    size = next((g for g in RAM_SIZES_GB if g >= need_gb), None)
+    return f"a {size} GB machine" if size else f"a machine with {need_gb:.0f} GB of RAM"
+
+
 @dataclass(frozen=True)
 class Machine:
     """Rates and constants of the machine. Defaults: measured on one H200 + PCIe Gen5 (bench/results)."""
@@ -29,6 +46,9 @@ class Machine:
     # a training process's RSS beside its pinned buffers (torch, CUDA runtime, transformers, the batch): 1.66-1.74 GiB
     # measured before any profiling (3B, two runs); 1.5 before, which put hosts 2-10% under
     host_base_gib: float = 1.7
+    # a data loader worker (forked: torch's pages shared with its parent): 0.18 GiB RSS of which 0.07 its share of the
+    # shared pages and 0.01 its own, measured on 4 x 2048 batches; rounded up for larger batches and collators
+    worker_gib: float = 0.2
     backward_inflation: float = 1.08  # update kernels running beside backward slow it (8B: 1077 vs 980 ms)
     nf4_slowdown: float = 1.40  # bitsandbytes NF4 matmuls dequantize every weight each use (70B QLoRA: 2.38 s
     #                             measured vs 1.70 s at the bf16 rate)

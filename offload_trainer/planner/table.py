@@ -32,6 +32,8 @@ class Plan:
     gpu_peak_gib: float = 0.0  # predicted torch.cuda.max_memory_reserved
     gpu_allocated_gib: float = 0.0
     host_peak_gib: float = 0.0  # RSS incl. pinned (and a save's shard)
+    host_breakdown: dict = field(default_factory=dict)  # the host peak's parts (GiB), which sum to it
+    host_budget_source: str = ""  # where host_budget_gib comes from: the key, or what the machine has available
     save_shard_gib: float = 0.0  # host memory a checkpoint's save adds (one safetensors shard)
     pinned_gib: float = 0.0
     pcie_gb_per_step: float = 0.0
@@ -98,7 +100,8 @@ class Plan:
                 " (no GPU budget: this machine has no GPU; gpu_memory_limit_gb plans for a card of that size)")),
             ("host peak (RSS + pinned)", f"{self.host_peak_gib:.1f} GiB"
              + (f" (with a save's {self.save_shard_gib:.1f} GiB shard)" if self.save_shard_gib else "")
-             + (f" of {self.host_budget_gib:.1f} GiB" if self.host_budget_gib else "")),
+             + (f" of {self.host_budget_gib:.1f} GiB" if self.host_budget_gib else "")
+             + (f" ({self.host_budget_source})" if self.host_budget_gib and self.host_budget_source else "")),
             ("PCIe per step", f"{self.pcie_gb_per_step:.1f} GB"),
             ("step time", f"{self.step_s:.2f} s ({self.ranks * self.accum * self.batch * self.seq / self.step_s:,.0f} "
                           f"tok/s{f' over {self.ranks} GPUs' if self.ranks > 1 else ''}; "
@@ -107,5 +110,6 @@ class Plan:
         w = max(len(k) for k, _ in rows)
         lines = [f"{k.ljust(w)}  {v}" for k, v in rows]
         lines += ["GPU memory breakdown (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in self.breakdown.items())]
+        lines += ["host memory breakdown (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in self.host_breakdown.items())]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -241,6 +241,14 @@ class OffloadFields:
         default=None,
         metadata={"help": "Cap this process's GPU memory (GiB), e.g. 24 to emulate a 24 GB card on a bigger one."},
     )
+    host_memory_limit_gb: float | None = field(
+        default=None,
+        metadata={"help": "The host RAM (GiB) the run may use, e.g. 57 for a 64 GB machine (64e9 bytes are 59.6 GiB, "
+                          "of which the OS and a desktop keep 2-3). The plan keeps within the lesser of it and the "
+                          "memory available when training starts (clipping exactly instead of speculatively where "
+                          "that is what fits), or refuses before the model loads, naming the machine it needs. "
+                          "`offload-trainer plan` plans for it on any machine. Unset: what is available."},
+    )
 
     def __getstate__(self) -> dict:
         """Pickled -- the Trainer writes `training_args.bin` into output_dir and every checkpoint -- without secrets:
