@@ -1,16 +1,15 @@
-"""Runs that end cleanly: SIGINT / SIGTERM / SIGHUP finish the step, save and stop; optimizer steps with a non-finite loss or
-gradient norm are skipped (the streamed optimizer drops their gradients), and too many in a row stop the run; after
-train() returns, either ends the run with the exception the command turns into a sentence and an exit code."""
+"""Runs that end cleanly: SIGINT / SIGTERM / SIGHUP finish the step, save and stop; optimizer steps with a non-finite
+loss or gradient norm are skipped (the streamed optimizer drops their gradients), and too many in a row stop the run;
+after train() returns, either ends the run with the exception the command turns into a sentence and an exit code."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
 import signal
-import threading
 
 from .checkpoint import newest_complete_checkpoint
-from ..errors import STOP_SIGNALS, GpuOutOfMemory, TrainingInterrupted, TrainingStopped
+from ..errors import GpuOutOfMemory, TrainingInterrupted, TrainingStopped, stop_signals_call
 from .run_state import RunState
 
 logger = logging.getLogger("offload_trainer")
@@ -21,10 +20,6 @@ def signals_stop_cleanly(run: RunState, state, output_dir: str | None = None):
     """SIGINT / SIGTERM / SIGHUP: finish the current step, save if save_on_interrupt, then stop; a second one: stop
     now, saying so (`TrainingInterrupted`, naming the last complete checkpoint in `output_dir`). (`state`: the
     Trainer's TrainerState, for the step named in the log.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
     def handler(signum, frame):
         name = signal.Signals(signum).name
         if run.interrupted is not None:
@@ -38,12 +33,8 @@ def signals_stop_cleanly(run: RunState, state, output_dir: str | None = None):
         logger.warning("%s received: finishing step %d, then %s (again to stop at once)", name,
                        state.global_step + 1, "saving a checkpoint" if run.settings.save_on_interrupt else "stopping")
 
-    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    try:
+    with stop_signals_call(handler):  # (outside the main thread: nothing installed, as Python allows)
         yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def on_step_end(run: RunState, global_step: int, control) -> None:
