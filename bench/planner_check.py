@@ -22,7 +22,8 @@ RESULTS = os.path.join(HERE, "results")
 HELD_GIB = 23.2879  # what the planner saw of the held card (hold_gpu_memory.py 23.5, the CUDA context taken)
 HOST_GIB = 125.0  # the device machine's RAM
 
-# (label, results file, run id, system, seq_len, resident layers the row ran with; None: all)
+# (label, results file, run id, system, seq_len, resident layers the row ran with; None: all[, model where the run
+# has rows of several models with that system and length])
 CASES = [
     ("Llama-3-8B 4 x 2048, speculative", "2026-12-01-s36.json", "20261201-s36c", "offload_trainer_cli_speculative",
      2048, None),
@@ -66,14 +67,29 @@ CASES = [
     ("Llama-3.1-8B 1 x 16384, auto", "2026-12-03-s48.json", "20261203-s48b", "offload_trainer_cli", 16384, "final"),
     ("Llama-3.1-8B 1 x 16384, layer_swap 23", "2026-12-03-s48.json", "20261203-s48b", "offload_trainer_cli", 16384,
      23),
+    # the host held to 57 GiB available too (a 64 GB machine: bench/host_machine.sh)
+    ("Llama-3-8B 4 x 2048, speculative, 64 GB host", "2026-12-03-s56-host64.json", "20261203-s56a",
+     "offload_trainer_cli_speculative", 2048, None),
+    ("Qwen2.5-14B 8 x 2048, auto, 64 GB host", "2026-12-03-s56-host64.json", "20261203-s56a",
+     "offload_trainer_cli_noclip", 2048, "final"),
+    ("Llama-3.1-8B 1 x 32768, auto, 64 GB host", "2026-12-03-s56-host64.json", "20261203-s56a", "offload_trainer_cli",
+     32768, "final"),
+    ("Llama-3.1-8B 1 x 65536, no clipping, auto, 64 GB host", "2026-12-03-s56-host64.json", "20261203-s56b",
+     "offload_trainer_cli_noclip", 65536, "final"),
+    ("Llama-3.2-90B-Vision QLoRA 1 x 2048, auto, 64 GB host", "2026-12-03-s56-host64.json", "20261203-s56b",
+     "offload_trainer_cli", 2048, "final", "llama3.2-90b-vision"),
+    ("Llama-3.2-11B-Vision full FT 2 x 2048, auto, 64 GB host", "2026-12-03-s56-host64.json", "20261203-s56b",
+     "offload_trainer_cli_noclip", 2048, "final"),
+    ("Llama-3-70B QLoRA 1 x 2048, auto, 64 GB host", "2026-12-03-s56-host64.json", "20261203-s56b",
+     "offload_trainer_cli", 2048, "final", "llama3-70b"),
 ]
 
 
-def find_row(fname: str, run_id: str, system: str, seq: int, resident) -> dict:
+def find_row(fname: str, run_id: str, system: str, seq: int, resident, model: str | None = None) -> dict:
     """The case's row: "final" an auto row (no count pinned on its command line), a count a row pinned at it where
-    the run pinned several, else the run's last row of that system and length."""
+    the run pinned several, else the run's last row of that system and length (and `model`)."""
     rows = [r for r in json.load(open(os.path.join(RESULTS, fname))) if r["run_id"] == run_id
-            and r["system"] == system and r["seq_len"] == seq and r["tok_per_s"]
+            and r["system"] == system and r["seq_len"] == seq and r["tok_per_s"] and model in (None, r["model"])
             and "layer_swap=off" not in r["extra"].get("argv", "")]
     pinned = [r for r in rows if "layer_swap=" in r["extra"].get("argv", "")]
     if resident == "final" and pinned:
@@ -101,7 +117,9 @@ def predict(row: dict, *counts) -> list[dict]:
     cfg = architecture_config(row["model"] if not row["model"].startswith("/") else model_args.model_config)
     seq = data_args.max_seq_length
     # the switches the run's plan decided (on the held card), then that plan at each resident count the run ran with
-    run_plan = plan_for_run(settings, cfg, seq, host_gb=HOST_GIB, gpu_gb=HELD_GIB, model_args=model_args)
+    # (on the host the run had: its plan's budget where the row records it, a held host's)
+    host = (row.get("predicted") or {}).get("host_budget_gib") or HOST_GIB
+    run_plan = plan_for_run(settings, cfg, seq, host_gb=host, gpu_gb=HELD_GIB, model_args=model_args)
     plans = {n: run_plan if n is None or n == run_plan.resident_layers else
              plan_at_resident(run_plan, settings, cfg, seq, n, model_args=model_args) for n in set(counts)}
     return [dict(gpu=p.gpu_peak_gib, host=p.host_peak_gib, resident=p.resident_layers, layers=p.layers)
@@ -116,8 +134,8 @@ def within(pred: float, meas: float, at_limit: bool = False) -> bool:
 
 def table() -> list[dict]:
     out = []
-    for label, fname, run_id, system, seq, resident in CASES:
-        row = find_row(fname, run_id, system, seq, resident)
+    for label, fname, run_id, system, seq, resident, *model in CASES:
+        row = find_row(fname, run_id, system, seq, resident, *model)
         start = resident
         if resident == "final":
             start, resident = (row["extra"]["resident_layers"][k] for k in ("planned", "final"))
