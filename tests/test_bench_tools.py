@@ -78,6 +78,7 @@ def test_make_table_pairs_clipping_rows_with_native_clip(tmp_path, capsys):
     assert "`offload-trainer train c.yaml max_grad_norm=0` (HF Trainer, allocator default)" in cli_row
 
 
+@pytest.mark.slow
 def test_trainer_bench_row_comes_from_the_trainers_step_logs(tmp_path, monkeypatch, capsys):
     import trainer_bench
 
@@ -126,6 +127,7 @@ def test_trainer_bench_takes_logs_at_one_interval_only():
             trainer_bench.row_from_logs(logs, skip=1, tokens_per_step=8)
 
 
+@pytest.mark.slow
 def test_integrations_bench_rows_for_the_command_and_trl(tmp_path):
     """bench/integrations.py end to end on a CPU for the two tools this environment has: the command and TRL's
     OffloadSFTTrainer read the same chat records with the same template and seed, so each step trains the same tokens

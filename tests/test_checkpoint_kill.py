@@ -11,7 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from offload_trainer.trainer.checkpoint import check_checkpoint, newest_complete_checkpoint
+
+pytestmark = pytest.mark.slow  # (processes started for each test: run by .ci/run's second step)
 
 CONFIG = """model_config: tiny-llama
 model_overrides: {{num_hidden_layers: 2}}

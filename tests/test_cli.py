@@ -81,6 +81,7 @@ def test_help_and_keys_answer_fast_and_print_no_warnings(argv):
     assert took < 2.0, f"{argv}: {took:.2f} s"
 
 
+@pytest.mark.slow
 def test_plan_prints_no_library_chatter():
     """`offload-trainer plan` in a new process: the table on stdout, nothing on stderr (bitsandbytes' note on its
     optional CPU kernels, torch's and torchao's import notices are not ours to act on)."""

@@ -12,6 +12,8 @@ from offload_trainer.engine.distributed import Sharding, assign_owners
 from offload_trainer.engine.optim import StreamedAdamW8bit
 from tiny_models import TinyLM, param_groups
 
+pytestmark = pytest.mark.slow  # (processes started for each test: run by .ci/run's second step)
+
 LR, BETAS = 3e-3, (0.9, 0.95)
 WORLD = 2
 MODES = {  # name: (optimizer kwargs, max_grad_norm)

@@ -88,6 +88,7 @@ SCHEDULES = {
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.slow
 def test_schedulers_log_and_checkpoint_floats_as_the_trainer_does(tmp_path, schedule):
     snaps = {}
 

@@ -197,6 +197,7 @@ TRAINS = {
 
 
 @pytest.mark.parametrize("row", list(TRAINS))
+@pytest.mark.slow
 def test_data_that_trains(row, tmp_path, capsys):
     name, content, body = TRAINS[row]
     path = tmp_path / "data" / name
@@ -223,6 +224,7 @@ def test_data_bom_is_not_a_token(tmp_path):
     assert [tok.decode(r["input_ids"]) for r in train] == ["hello world<|endoftext|>", "second line<|endoftext|>"]
 
 
+@pytest.mark.slow
 def test_data_file_unreadable(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"text": "a"}\n')
@@ -306,6 +308,7 @@ def test_output_dir_read_only_filesystem(tmp_path, capsys, no_model_load):
         expect(case, capsys, 4, "cannot write to output_dir", "the filesystem is read-only")
 
 
+@pytest.mark.slow
 def test_output_dir_not_writable_by_the_user(tmp_path, capsys):
     """As a user who may not write there. Root writes anywhere: as root the command runs in a process without the
     capabilities that override file permissions (setpriv), which then apply to it as to any user."""
@@ -461,6 +464,7 @@ def shard_weights(ckpt: Path) -> None:
         save_file({key: t}, ckpt / name)
 
 
+@pytest.mark.slow
 def test_resharded_checkpoint_resumes_as_the_trainer_does(four_steps, tmp_path, capsys):
     """A checkpoint whose weights were re-saved in another layout (sharded, with an index) resumes, with a line saying
     so, to the losses of the run never stopped; a cut-short shard is still refused."""
@@ -491,6 +495,7 @@ def test_resharded_checkpoint_resumes_as_the_trainer_does(four_steps, tmp_path, 
     ("newest-checkpoint-malformed-hyperparameters", "hyperparameters.json", b'{"learning_rate": '),
     ("newest-checkpoint-hyperparameters-not-a-mapping", "hyperparameters.json", b"[]"),
 ])
+@pytest.mark.slow
 def test_damaged_newest_checkpoint_is_skipped(row, name, content, four_steps, tmp_path, capsys):
     case = copy_run(four_steps, tmp_path)
     (case.out / "trainer_state.json").unlink()  # (stopped after checkpoint-4: a finished run has nothing to resume)
@@ -514,6 +519,7 @@ def test_damaged_newest_checkpoint_is_skipped(row, name, content, four_steps, tm
 
 
 # ---------------------------------------------------------------------------------------------------- a real full disk
+@pytest.mark.slow
 def test_disk_full_during_a_checkpoint(tmp_path, capsys):
     """8 MiB hold two 3.2 MB checkpoints of the tiny model, not a third: the run stops with a sentence (exit 4), the
     last complete checkpoint is intact, and with room again the run resumes to the losses of one never stopped."""
@@ -561,6 +567,7 @@ def test_save_strategy_no_still_checks_the_disk_for_the_model(tmp_path, capsys):
 
 @pytest.mark.parametrize("swap, fix", [("2", "2 of 4 decoder layers were on the GPU (as configured): set layer_swap: 0"),
                                        ("off", "no layer swap: set layer_swap: auto")], ids=["swap", "no_swap"])
+@pytest.mark.slow
 def test_gpu_out_of_memory_in_a_step(swap, fix, tmp_path, capsys, monkeypatch):
     """A step that runs out of GPU memory (torch's error raised inside step 3's forward and backward) ends with a
     sentence, exit 6: the allocation that failed, what was on the GPU and the switch that makes room, the last

@@ -10,6 +10,7 @@ from test_swap import DEVICES, install, optimizers, setup, train_both_and_compar
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("clip", [False, True], ids=["update_in_backward", "exact_clip"])
+@pytest.mark.slow
 def test_changing_resident_layers_between_steps_trains_as_the_unswapped_model(device, clip):
     """Layers moved on and off the GPU between steps (more resident, fewer, none, all): the same losses and weights as
     the model never swapped, bit for bit; a layer moved on holds no pinned copy, one moved off does."""
@@ -141,6 +142,7 @@ def test_fitted_is_the_most_layers_within_the_margin():
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
+@pytest.mark.slow
 def test_the_fit_through_the_trainer_trains_as_the_unswapped_model(tmp_path, max_grad_norm):
     """The Trainer's loop with the fit wired in (a fake allocator: on a CPU there is none to read): layers move on
     after the first step, the device map follows, and the losses equal the unswapped run's, accumulating 2

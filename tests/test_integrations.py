@@ -41,6 +41,7 @@ def test_tensorboard_receives_the_run_figures_as_scalars(tmp_path):
     assert [e.value for e in acc.Scalars("train/tok_per_s")] == pytest.approx([h["tok_per_s"] for h in logged])
 
 
+@pytest.mark.slow
 def test_accelerate_launch_two_processes_matches_one_process_accumulating(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2 -m offload_trainer.cli train ...` (its torch.distributed
     launcher; gloo on a CPU machine) trains the same losses as one process accumulating the same global batch, each

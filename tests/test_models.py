@@ -47,6 +47,7 @@ def test_layerwise_4bit_load_equals_transformers_4bit_load(tmp_path, tie):
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tie
 
 
+@pytest.mark.slow
 def test_layerwise_load_reads_one_layer_at_a_time(tmp_path, monkeypatch):
     """Each decoder layer's tensors are read together, in order, and quantized before the next layer is read:
     at most one layer is ever in 16 bits."""

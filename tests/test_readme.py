@@ -70,6 +70,7 @@ def test_python_snippet_runs(i, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("argv", [c for b in BASH for c in commands(b)], ids=" ".join)
+@pytest.mark.slow
 def test_command_line_runs(argv, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     if argv[0] == "train":

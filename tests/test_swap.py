@@ -92,6 +92,7 @@ def test_swapped_gradients_are_identical(device, prefetch):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("clip", [False, True], ids=["update_in_backward", "exact_clip"])
+@pytest.mark.slow
 def test_full_finetune_with_streamed_optimizer_matches_unswapped(device, clip):
     """Swapped layers are updated in their slots and copied back; the next fetch sees the new weights."""
     ref, model, batches = setup(device)
@@ -127,6 +128,7 @@ def train_both_and_compare(ref, model, ref_opt, opt, swap, batches, clip, device
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_exact_clipping_updates_swapped_layers_where_their_forward_fetches_them(device):
     """With clipping, step() leaves the updates of swapped layers to the next forward, whose prefetch brings each
     layer into a slot anyway: no layer is fetched for its update alone. Same losses and weights as the unswapped
@@ -164,6 +166,7 @@ def test_exact_clipping_updates_swapped_layers_where_their_forward_fetches_them(
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("clip", [False, True], ids=["update_in_backward", "exact_clip"])
+@pytest.mark.slow
 def test_accumulation_sums_swapped_gradients_on_the_host(device, clip):
     """3 micro-batches per step: the swapped model's gradients wait summed in pinned memory between them (none
     left on the device), against the unswapped model accumulating on the device as autograd does."""
@@ -196,6 +199,7 @@ def test_accumulation_sums_swapped_gradients_on_the_host(device, clip):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_speculative_clipping_of_swapped_layers_equals_exact_clipping_unswapped(device):
     """Speculative clipping with 4 of 6 layers swapped (2 slots: evictions every pass) against exact clipping of the
     unswapped model: a swapped layer is backed up and updated in its slot, restored there on a rollback, and copied

@@ -44,6 +44,7 @@ def test_tiled_mlp_is_applied_once_and_only_to_long_inputs():
         tile_mlps(ref.model.layers, tile=0)
 
 
+@pytest.mark.slow
 def test_tiled_mlp_through_the_trainer(tmp_path, monkeypatch, caplog):
     """`tiled_mlp: true` (tiles of 8 positions here): said once, and the run's losses and gradient norms those of the
     untiled run, with the streamed optimizer (its hooks see each gradient once) and exact clipping."""

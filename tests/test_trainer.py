@@ -117,6 +117,7 @@ EMBEDDING_ON_DEVICE = dict(offload_device_states="0.00013")  # GiB: 139,586 byte
                                                   (0.0, EMBEDDING_ON_DEVICE)],
                          ids=["clip", "update_in_backward", "clip_embedding_states_on_device",
                               "update_in_backward_embedding_states_on_device"])
+@pytest.mark.slow
 def test_resume_at_20_gives_identical_losses_to_40(tmp_path, max_grad_norm, extra):
     model, tok, train = tiny_setup(seq=32)
     full = OffloadTrainer(model=model, args=make_args(tmp_path / "full", max_grad_norm=max_grad_norm, **extra),
@@ -175,6 +176,7 @@ def test_activation_offload_through_the_trainer(tmp_path):
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
+@pytest.mark.slow
 def test_layer_swap_through_the_trainer_matches_unswapped_and_resumes(tmp_path, max_grad_norm):
     def run(swap, out, stop=None, resume=None, seed=0):
         model, _, train = tiny_setup(seq=32, layers=4, seed=seed)
@@ -266,6 +268,7 @@ def test_nonfinite_step_is_skipped_with_weights_and_states_unchanged(tmp_path, m
 @pytest.mark.parametrize("optim, extra", [("sgd", {}), ("adamw_torch", dict(offload_optimizer=False))],
                          ids=["another_optim", "trainers_adamw"])
 @pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "no_clip"])
+@pytest.mark.slow
 def test_nonfinite_steps_skipped_with_the_trainers_own_optimizer(tmp_path, optim, extra, max_grad_norm):
     """max_nonfinite_steps on the Trainer's own optimizer path (another optim, or offload_optimizer: false): the NaN
     step changes no weight, training goes on; NaN on every step stops after max_nonfinite_steps in a row."""
@@ -294,6 +297,7 @@ def test_nonfinite_steps_skipped_with_the_trainers_own_optimizer(tmp_path, optim
 
 
 @pytest.mark.parametrize("max_grad_norm", [0.5, 0.0], ids=["clip", "update_in_backward"])
+@pytest.mark.slow
 def test_loss_filter_on_the_device_logs_what_the_trainers_own_does(tmp_path, monkeypatch, max_grad_norm):
     """On a GPU the Trainer's logging_nan_inf_filter (a host read of every loss) is replaced by the same arithmetic on
     the device; forced on here: the logged losses, a NaN step among them, are those of the Trainer's own filter."""
@@ -413,6 +417,7 @@ def test_gpu_resume_without_a_cap_plans_for_the_card(tmp_path, max_grad_norm):
     assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-4
 
 
+@pytest.mark.slow
 def test_saves_are_sharded_so_host_memory_holds_one_shard_and_resume_reads_them(tmp_path, monkeypatch):
     """A checkpoint and the final model are written in shards of at most SAVE_SHARD_BYTES (safetensors copies a
     whole shard to host memory first), and a resume from the sharded checkpoint continues exactly."""
@@ -482,6 +487,7 @@ def test_on_a_cpu_the_log_line_says_what_applies_and_no_gpu_plan_is_logged(tmp_p
     assert not any(m.startswith("plan:") for m in lines)
 
 
+@pytest.mark.slow
 def test_saves_and_evaluations_are_not_counted_in_tok_per_s(tmp_path, monkeypatch):
     """A slow save between two logs: the logged throughput is the training's (it dipped at every save before)."""
     import time as time_mod

@@ -47,6 +47,7 @@ def train(tmp_path, capsys, cfg) -> tuple[int, str]:
     return cli.main(["train", cfg]), stderr_of(capsys)
 
 
+@pytest.mark.slow
 def test_a_tiny_vision_language_model_trains_through_the_command(tmp_path, capsys):
     rc, err = train(tmp_path, capsys, config(tmp_path, write_data(tmp_path)))
     assert rc == 0, err[-3000:]

@@ -285,6 +285,7 @@ def test_learning_rate_is_a_python_float_wherever_a_user_reads_it():
 
 @pytest.mark.parametrize("mode", ["step_only_clip", "offload_grads_clip", "update_in_backward",
                                   "update_in_backward_offload_grads"])
+@pytest.mark.slow
 def test_states_kept_on_the_device_match_torchao(mode):
     """`device_state_bytes`: the first tensors in model order whose 8-bit states fit stay on the device (no host copy,
     gradients never offloaded); the results and the state dict are torchao's, bit for bit."""
@@ -415,6 +416,7 @@ def fixed_batch_steps(model, opt, steps=80):
         opt.zero_grad()
 
 
+@pytest.mark.slow
 def test_bf16_weights_stochastic_rounding_follows_fp32_reference():
     """With updates far below a bf16 ulp, round-to-nearest loses them; stochastic rounding keeps them
     on average: the bf16 run's weight change tracks the fp32-weight reference's change much better."""
