@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib as _contextlib
+import os as _os
 import signal as _signal
 import threading as _threading
 
@@ -40,13 +41,28 @@ STOP_SIGNALS = tuple(getattr(_signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP"
 
 
 @_contextlib.contextmanager
-def stop_signals_call(handler, *, with_sigint: bool = True):
+def stop_signals_call(handler, *, with_sigint: bool = True, children_die: bool = False):
     """Within: `handler(signum, frame)` answers the stop signals (Ctrl-C too, unless `with_sigint` is False: Python's
     own KeyboardInterrupt then); after, the handlers before. Signal handlers belong to the main thread: elsewhere,
-    nothing changes."""
+    nothing changes.
+
+    A process forked within (a tokenizing pool's worker, a data loader's) inherits the handlers, but it is not the one
+    they stop: there Ctrl-C is ignored (a terminal sends it to the whole group; the parent answers for all, and the
+    workers print no tracebacks), and SIGTERM / SIGHUP end it as by default with `children_die` (a pool stopping its
+    workers sends SIGTERM and waits for them: raising there instead left `dataset_num_proc` > 1 hanging after
+    Ctrl-C), else are ignored too (a data loader's workers keep serving the step the parent finishes and saves)."""
+    owner = _os.getpid()
+
+    def guarded(signum, frame):
+        if _os.getpid() == owner:
+            own = handler if with_sigint or signum != _signal.SIGINT else _signal.default_int_handler
+            return own(signum, frame)
+        if children_die and signum != _signal.SIGINT:
+            _signal.signal(signum, _signal.SIG_DFL)
+            _os.kill(_os.getpid(), signum)
+
     main = _threading.current_thread() is _threading.main_thread()
-    signals = [s for s in STOP_SIGNALS if with_sigint or s != _signal.SIGINT] if main else []
-    old = {s: _signal.signal(s, handler) for s in signals}
+    old = {s: _signal.signal(s, guarded) for s in (STOP_SIGNALS if main else ())}
     try:
         yield
     finally:

@@ -435,6 +435,47 @@ def test_signal_outside_the_training_loop(tmp_path, capsys, monkeypatch):
            "checkpoint-2 (continue with resume_from_checkpoint: true)", untouched=False)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["main", "group"])
+def test_ctrl_c_while_workers_tokenize(tmp_path, to):
+    """Ctrl-C while `dataset_num_proc: 2` workers tokenize, sent to the command (`kill -INT`) or to its whole process
+    group (a terminal): one sentence and 130, no worker tracebacks, no temporary files left in the cache. (The workers
+    had inherited the command's SIGTERM handler, so the pool's SIGTERM raised in them instead of ending them, and the
+    command waited for them forever.)"""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rows = [json.dumps({"text": f"row {i} " + "the quick brown fox jumps over the lazy dog " * 6}) for i in range(200000)]
+    (tmp_path / "big.jsonl").write_text("\n".join(rows) + "\n")
+    case = Case(tmp_path, "dataset_num_proc: 2\n", data=str(tmp_path / "big.jsonl"))
+    cache, log = tmp_path / "cache", tmp_path / "err.txt"
+    env = {**os.environ, "HF_DATASETS_CACHE": str(cache)}
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "offload_trainer.cli", "train", str(case.config)], stderr=err,
+                                env=env, start_new_session=True)
+    deadline = time.time() + 120
+    while "tokenizing (num_proc=2)" not in log.read_text() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)  # (the workers at work)
+    assert proc.poll() is None, "the run ended before it could be interrupted: give it more rows"
+    if to == "group":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail("the command hung after Ctrl-C")
+    text = log.read_text()
+    assert proc.returncode == 130, text[-2000:]
+    assert "interrupted: SIGINT outside the training loop: no checkpoint was saved" in text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert not [f for f in (cache / "offload_trainer").iterdir() if f.name.startswith("tmp")]
+
+
 def test_finished_run_resumed(trained, tmp_path, capsys):
     """A finished run re-run with resume_from_checkpoint: true (also with save_total_limit: 1) trains nothing and
     changes nothing: the Trainer would train one step past max_steps and write that model over the finished one."""

@@ -113,7 +113,7 @@ def merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
         raise TrainingInterrupted(f"{signal.Signals(signum).name} during merge: nothing was written to {out_dir!r} "
                                   f"(its partial files removed); run the merge again", signum, None)
 
-    with stop_signals_call(stop, with_sigint=False):
+    with stop_signals_call(stop, with_sigint=False, children_die=True):
         return _merge_lora(adapter_dir, base_dir, out_dir)
 
 

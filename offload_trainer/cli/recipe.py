@@ -58,7 +58,7 @@ def _signals_say_where_the_run_stands(config: str, overrides: list[str]):
         raise _Terminated(signum)
 
     try:
-        with stop_signals_call(terminated, with_sigint=False):
+        with stop_signals_call(terminated, with_sigint=False, children_die=True):
             yield
     except KeyboardInterrupt as e:
         if isinstance(e, TrainingInterrupted):
