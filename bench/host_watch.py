@@ -3,19 +3,18 @@ minimum written (GiB) to FILE at each new low -- so a run that the kernel kills 
 
     python3 bench/host_watch.py FILE &      # kill it when the run is done
 """
+import os
 import sys
 import time
 
-
-def available_gib() -> float:
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) / 2**20 for line in f if line.startswith("MemAvailable:"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from offload_trainer.sysinfo import proc_gib  # noqa: E402  (nothing heavy: torch only inside its GPU function)
 
 
 def main() -> None:
     low = float("inf")
     while True:
-        now = available_gib()
+        now = proc_gib("/proc/meminfo", "MemAvailable")
         if now < low:
             low = now
             with open(sys.argv[1], "w") as f:
