@@ -33,6 +33,44 @@ def test_offloaded_checkpointing_gives_identical_gradients(device):
     assert all(torch.equal(ref[n], got2[n]) for n in ref)
 
 
+def test_the_recompute_stops_before_each_layers_last_matmul():
+    """Backward recomputes only what it saved, as transformers' (non-reentrant) checkpointing does: no decoder
+    layer's down projection runs again (its output is saved by nothing); a reentrant recompute runs it per layer."""
+    model, _, train = tiny_setup(layers=3)
+    model.train()
+    calls = {"forward": 0, "backward": 0}
+
+    def count(module, args, out):  # after the matmul: a recompute that stops before it never gets here
+        calls["backward" if torch._C._current_autograd_node() is not None else "forward"] += 1
+
+    for layer in model.model.layers:
+        layer.mlp.down_proj.register_forward_hook(count)
+    batch = batch_of(train)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model(**batch).loss.backward()
+    assert calls == {"forward": 3, "backward": 0}  # the reference: plain non-reentrant checkpointing
+    enable_activation_offload(model)
+    model(**batch).loss.backward()
+    assert calls == {"forward": 6, "backward": 0}
+
+
+def test_an_offloaded_input_is_not_kept_by_the_graph():
+    """Between forward and backward only the host copy of a checkpointed input exists: the graph holds no
+    reference to the tensor itself (checkpoint's own inputs would keep it on the GPU)."""
+    import weakref
+
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh())
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x * 2
+    alive = weakref.ref(h)
+    out = ActivationOffloader("cpu").checkpoint(layer, h)
+    del h
+    assert alive() is None
+    out.sum().backward()
+    ref = torch.autograd.grad(torch.utils.checkpoint.checkpoint(layer, x * 2, use_reentrant=False).sum(), x)[0]
+    assert torch.equal(x.grad, ref)
+
+
 def test_frozen_inputs_still_train_the_layer():
     """With the embeddings frozen no layer input requires grad; the layer weights must still get grads."""
     model, _, train = tiny_setup(layers=2)
