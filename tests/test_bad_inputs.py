@@ -314,6 +314,16 @@ def test_resume_changes_a_hyperparameter(trained, tmp_path, capsys):
     assert "resume changes max_seq_length 64 -> 48: rows hold another number of tokens" in err
 
 
+def test_resume_with_other_data(trained, tmp_path, capsys):
+    """A resume whose data file was replaced (more rows): said, since the rows already seen are skipped by count."""
+    case = copy_run(trained, tmp_path)
+    data = tmp_path / "more.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i} of other data, a little longer"}) + "\n" for i in range(134)))
+    rc, err = case.run(capsys, "resume_from_checkpoint=true", "max_steps=3", f"dataset_path={data}")
+    assert rc == 0, err
+    assert re.search(r"resume changes training_rows \d+ -> \d+: the training data is not the checkpoint's", err), err
+
+
 def test_yaml_1_1_numbers(tmp_path, capsys):
     """YAML 1.2 numbers: `010` is ten (YAML 1.1 read octal 8), `1:30` is text (1.1: sexagesimal 90) and refused
     where a number is wanted."""
@@ -383,6 +393,16 @@ def test_negative_token_id(tmp_path, capsys):
     data = tmp_path / "ids.jsonl"
     data.write_text('{"input_ids": [1, 2, 3, 4]}\n{"input_ids": [5, -7, 9]}\n')
     expect(Case(tmp_path, data=str(data)), capsys, 2, "row 2: input_ids holds a negative token id (-7)")
+
+
+def test_bad_row_in_a_held_out_split(tmp_path, capsys):
+    """eval_fraction shuffles the records before they are split: the error still names the row's line in the file."""
+    data = tmp_path / "ids.jsonl"
+    rows = [[1, 2, 3]] * 10
+    rows[6] = [5, -3, 9]
+    data.write_text("".join(json.dumps({"input_ids": r}) + "\n" for r in rows))
+    err = expect(Case(tmp_path, "eval_fraction: 0.2\n", data=str(data)), capsys, 2, "input_ids holds a negative token id")
+    assert re.search(r"ids.jsonl \((train|eval)\) row 7: input_ids holds a negative token id \(-3\)", err), err
 
 
 def test_data_rewritten_with_its_old_mtime(tmp_path):
@@ -598,7 +618,7 @@ def test_every_row_has_a_test():
     assert len(rows) >= 20
     here = "".join((Path(__file__).parent / f).read_text()
                    for f in ("test_bad_inputs.py", "test_faults.py", "test_qlora_outputs.py", "data/test_vision.py",
-                             "data/test_data.py"))
+                             "data/test_data.py", "test_dropin.py"))
     from test_faults import DATA_ROWS, MODEL_ROWS, ROWS as FAULT_ROWS, TRAINS
 
     tested = set(CONFIG_ROWS) | set(FAULT_ROWS) | set(MODEL_ROWS) | set(DATA_ROWS) | set(TRAINS)

@@ -13,7 +13,7 @@ import os
 import torch
 
 from ..errors import DataError
-from .formats import IGNORE_INDEX, Tokenize, detect_format, has_generation_markers, tokenize_batch
+from .formats import IGNORE_INDEX, ROW, Tokenize, detect_format, has_generation_markers, tokenize_batch
 from .packing import STATS, STRATEGIES, PaddingCollator, pack_batch, truncate_batch
 from .sources import BUILTIN, check_source, load, not_utf8, resolve
 from .vision import ImageTextCollator, ImageTextRecords, RandomImageText, build_processor
@@ -85,7 +85,7 @@ def build_datasets(data_args, tokenizer, *, vocab_size: int, seed: int = 0, main
     with main_process_first() if main_process_first else contextlib.nullcontext():
         train_raw, eval_raw = _splits(data_args, seed)
         name = data_args.dataset_path
-        fmt = detect_format(list(_columns(train_raw)), data_args.dataset_text_field, f"dataset {name!r}")
+        fmt = detect_format(_columns(train_raw), data_args.dataset_text_field, f"dataset {name!r}")
         spec = Tokenize(fmt=fmt, text_field=data_args.dataset_text_field,
                         assistant_only=data_args.assistant_only_loss,
                         completion_only=data_args.completion_only_loss is not False,
@@ -131,15 +131,16 @@ def _splits(data_args, seed: int):
     if math.floor((1.0 - frac) * n) < 1:  # (datasets' split: ceil(frac * n) held out, floor((1 - frac) * n) kept)
         raise DataError(f"eval_fraction={frac:g} of the {n} records of {data_args.dataset_path!r} holds out all of "
                         f"them, leaving none to train on: use eval_fraction below {(n - 1) / n:.3f}, or more data")
-    parts = train.train_test_split(test_size=frac, seed=seed, shuffle=True)
+    parts = train.add_column(ROW, range(n)).train_test_split(test_size=frac, seed=seed, shuffle=True)
     return parts["train"], parts["test"]
 
 
-def _columns(ds) -> list[str]:
+def _columns(ds, *, ours: bool = False) -> list[str]:
+    """The records' columns (`ours`: with the row numbers of a held-out split, which the records do not have)."""
     cols = getattr(ds, "column_names", None)
     if cols is None:  # a streaming dataset whose features are not known before reading
         cols = list(next(iter(ds)).keys())
-    return cols
+    return list(cols) if ours else [c for c in cols if c != ROW]
 
 
 def _fingerprint(ds, *parts) -> str:
@@ -199,7 +200,7 @@ def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
 def _prepare(raw, data_args, tok, spec: Tokenize, vocab_size: int, where: str):
     seq, strategy = data_args.max_seq_length, data_args.packing_strategy
     fp = _fingerprint(raw, "tokenize-v1", spec, _tokenizer_id(tok))
-    columns = _columns(raw)
+    columns = _columns(raw, ours=True)
     try:
         tokenized = _map(raw, tokenize_batch, fingerprint=fp, desc="tokenizing", num_proc=data_args.dataset_num_proc,
                          with_indices=True, remove_columns=columns,

@@ -31,6 +31,16 @@ class Tokenize:
     generation_markers: bool = False
 
 
+# A held-out split shuffles the records: each keeps its place in the file in this column, so that an error names the
+# row a user can find (`row N`, counted from 1), not its place in the shuffled split.
+ROW = "__offload_trainer_row__"
+
+
+def row_number(rec, i: int) -> int:
+    """The record's row in the file, counted from 1 (`i`: its index in the dataset it was read from)."""
+    return rec.get(ROW, i) + 1
+
+
 def detect_format(columns: list[str], text_field: str, where: str) -> str:
     if "input_ids" in columns:
         return "tokenized"
@@ -52,9 +62,10 @@ def has_generation_markers(tokenizer) -> bool:
 def tokenize_batch(batch: dict, indices: list[int], *, tokenizer, spec: Tokenize, where: str) -> dict:
     """Each record as pieces of text (or ids), each trained on or not; the batch's text pieces tokenized in one call
     of the (fast, batched) tokenizer, then put back together."""
-    keys = list(batch)
+    rows = batch[ROW] if ROW in batch else indices
+    keys = [k for k in batch if k != ROW]
     records = [_pieces(dict(zip(keys, values)), tokenizer, spec, f"{where} row {i + 1}")
-               for i, values in zip(indices, zip(*(batch[k] for k in keys)))]
+               for i, values in zip(rows, zip(*(batch[k] for k in keys)))]
     texts = [p for rec in records for p, _ in rec if isinstance(p, str) and p]
     encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
     out = {"input_ids": [], "labels": []}

@@ -15,7 +15,7 @@ import os
 import torch
 
 from ..errors import DataError
-from .formats import IGNORE_INDEX, Tokenize, _conversation
+from .formats import IGNORE_INDEX, Tokenize, _conversation, row_number
 
 # A chat template for processors built here (random-init named architectures): image parts become the image token.
 IMAGE_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% for c in m['content'] %}{% if c['type'] == 'image' %}"
@@ -62,25 +62,26 @@ class ImageTextRecords(torch.utils.data.Dataset):
     def __init__(self, raw, where: str, root: str):
         self.raw, self.where, self.root = raw, where, root
         for i in range(len(raw)):
-            self._check(i, raw[i])
+            self._check(row_number(raw[i], i), raw[i])
 
-    def _check(self, i: int, rec: dict) -> None:
+    def _check(self, row: int, rec: dict) -> None:
+        where = f"{self.where} row {row}"
         messages, images = rec.get("messages"), rec.get("images") or []
         if not isinstance(messages, list):
-            raise DataError(f"{self.where} row {i + 1}: messages is missing, or not a list of messages")
+            raise DataError(f"{where}: messages is missing, or not a list of messages")
         if image_parts(messages) != len(images):
-            raise DataError(f"{self.where} row {i + 1}: {image_parts(messages)} image part(s) in messages but "
+            raise DataError(f"{where}: {image_parts(messages)} image part(s) in messages but "
                             f"{len(images)} image(s) in images: give one image per {{\"type\": \"image\"}} part")
         for path in images:
             if not isinstance(path, str):
                 if not hasattr(path, "convert"):  # (a datasets Image column gives PIL images)
-                    raise DataError(f"{self.where} row {i + 1}: image {path!r} ({type(path).__name__}) is neither a "
+                    raise DataError(f"{where}: image {path!r} ({type(path).__name__}) is neither a "
                                     f"path nor an image: give each image as a path relative to the data file")
                 continue
             if not os.path.isfile(self.path(path)):
-                raise DataError(f"{self.where} row {i + 1}: image {path!r} does not exist (paths are relative to the "
+                raise DataError(f"{where}: image {path!r} does not exist (paths are relative to the "
                                 f"data file's directory)")
-            _readable(self.path(path), f"{self.where} row {i + 1}: image {path!r}")
+            _readable(self.path(path), f"{where}: image {path!r}")
 
     def path(self, p: str) -> str:
         return p if os.path.isabs(p) else os.path.join(self.root, p)
@@ -90,7 +91,7 @@ class ImageTextRecords(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict:
         rec = self.raw[i]
-        return {"row": i, "messages": rec["messages"], "images": list(rec.get("images") or [])}
+        return {"row": row_number(rec, i), "messages": rec["messages"], "images": list(rec.get("images") or [])}
 
 
 class ImageTextCollator:
@@ -112,11 +113,11 @@ class ImageTextCollator:
             with Image.open(self.records.path(path)) as im:
                 return im.convert("RGB")
         except Exception as e:  # PIL raises its own error types for a damaged or non-image file
-            raise DataError(f"{self.records.where} row {row + 1}: image {path!r} cannot be read "
+            raise DataError(f"{self.records.where} row {row}: image {path!r} cannot be read "
                             f"({type(e).__name__}: {str(e)[:120]})") from None
 
     def _ids_and_labels(self, rec: dict) -> tuple[list[int], list[int]]:
-        where = f"{self.records.where} row {rec['row'] + 1}"
+        where = f"{self.records.where} row {rec['row']}"
         ids, labels = [], []
         for piece, trained in _conversation(rec["messages"], self.processor, self.spec, where):
             piece = self.tok(piece, add_special_tokens=False)["input_ids"] if isinstance(piece, str) else piece
@@ -139,7 +140,7 @@ class ImageTextCollator:
         for b, (ids, lab) in enumerate(pairs):
             got = batch["input_ids"][b, : len(ids)].tolist()
             if got != ids:  # (the processor's own tokenization of the text must give the same ids)
-                raise DataError(f"{self.records.where} row {rows[b]['row'] + 1}: the chat template's text does not "
+                raise DataError(f"{self.records.where} row {rows[b]['row']}: the chat template's text does not "
                                 f"tokenize turn by turn as a whole: its assistant tokens cannot be told apart")
             labels[b, : len(lab)] = torch.tensor(lab)
         batch["labels"] = labels
