@@ -40,6 +40,9 @@ APPLIED = {
     "seed": "the data order follows the new seed, the random state the checkpoint's",
     "max_seq_length": "rows hold another number of tokens from the resumed step on (packed rows are packed anew), and "
                       "the data already seen is skipped by steps: the run continues at another place in the data",
+    "training_rows": "the training data is not the checkpoint's (another number of rows): the rows already seen are "
+                     "skipped by count, so the run continues at another place in other data. To train on new data, "
+                     "start a new run from the checkpoint's model instead",
 }
 
 
@@ -47,20 +50,21 @@ def _plain(value):
     return getattr(value, "value", value)  # (enums: their text)
 
 
-def hyperparameters(args, longest_row: int | None = None) -> dict:
+def hyperparameters(args, longest_row: int | None = None, rows: int | None = None) -> dict:
     """The arguments' values of the recorded keys; `max_seq_length` is the longest row the training data gives (the
-    data's own argument, which the Trainer's arguments do not hold)."""
+    data's own argument, which the Trainer's arguments do not hold), `training_rows` its number of rows (None: a
+    stream, not known). (The same number of other rows goes unnoticed.)"""
     values = {key: _plain(getattr(args, key, None)) for key in (*IGNORED, *APPLIED)}
-    values["max_seq_length"] = longest_row
+    values["max_seq_length"], values["training_rows"] = longest_row, rows
     return values
 
 
-def record(checkpoint_dir: str, args, longest_row: int | None = None) -> None:
+def record(checkpoint_dir: str, args, longest_row: int | None = None, rows: int | None = None) -> None:
     with open(os.path.join(checkpoint_dir, RECORD), "w") as f:
-        json.dump(hyperparameters(args, longest_row), f, indent=1)
+        json.dump(hyperparameters(args, longest_row, rows), f, indent=1)
 
 
-def check(checkpoint: str, args, step: int | None, longest_row: int | None = None) -> None:
+def check(checkpoint: str, args, step: int | None, longest_row: int | None = None, rows: int | None = None) -> None:
     """Log what each changed hyperparameter does on this resume; CheckpointError where it could not take effect
     (`step`: the checkpoint's global step, for max_steps below it)."""
     path = os.path.join(checkpoint, RECORD)
@@ -68,7 +72,7 @@ def check(checkpoint: str, args, step: int | None, longest_row: int | None = Non
         return
     with open(path) as f:
         saved = json.load(f)
-    now = hyperparameters(args, longest_row)
+    now = hyperparameters(args, longest_row, rows)
     if step is not None and isinstance(now["max_steps"], int) and 0 < now["max_steps"] < step:
         raise CheckpointError(f"max_steps={now['max_steps']} is below the step of {checkpoint} ({step}): a resume "
                               f"would train past it. Set max_steps to more than {step}, or resume from an earlier "

@@ -49,10 +49,34 @@ def resolve_resume(trainer, run: RunState, resume):
 def _check_changes(trainer, run: RunState, checkpoint: str) -> None:
     try:
         with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-            step = int(json.load(f)["global_step"])
+            state = json.load(f)
+        step = int(state["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
-        step = None
-    resume_changes.check(checkpoint, trainer.args, step, row_tokens(trainer, run))
+        state, step = {}, None
+    _check_not_finished(trainer.args, checkpoint, step, state)
+    resume_changes.check(checkpoint, trainer.args, step, row_tokens(trainer, run), training_rows(trainer))
+
+
+def _check_not_finished(args, checkpoint: str, step: int | None, state: dict) -> None:
+    """A checkpoint at or past the run's last step: the Trainer would train one step past max_steps and save that
+    model over the finished one (`offload-trainer train` says "nothing to train" before it gets here)."""
+    target = args.max_steps
+    if target <= 0 and state.get("num_train_epochs") == args.num_train_epochs:  # (by epochs: the same run's total)
+        target = state.get("max_steps", 0)
+    if step is None or not isinstance(target, int) or step != target:  # (past it: resume_changes refuses)
+        return
+    raise CheckpointError(f"{checkpoint} is at step {step} and the run stops at step {target} (max_steps): it is "
+                          f"finished, and resuming it would train one step past its end and save that model over it. "
+                          f"Raise max_steps to train further; the finished model is in {args.output_dir} (or in "
+                          f"{checkpoint}).")
+
+
+def training_rows(trainer) -> int | None:
+    """Rows in the training data (None: a stream), recorded with each checkpoint for the resume's check."""
+    try:
+        return len(trainer.train_dataset)
+    except TypeError:
+        return None
 
 
 def check_disk(trainer, run: RunState) -> None:
@@ -82,7 +106,8 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
         save(model, trial)
         trainer.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is written
         if main:
-            resume_changes.record(os.path.join(staging, name), trainer.args, row_tokens(trainer, run))
+            resume_changes.record(os.path.join(staging, name), trainer.args, row_tokens(trainer, run),
+                                  training_rows(trainer))
             write_checksums(os.path.join(staging, name))
             publish(os.path.join(staging, name), os.path.join(run_dir, name))
         trainer.accelerator.wait_for_everyone()
