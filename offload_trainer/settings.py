@@ -6,6 +6,7 @@ read the constants without importing transformers.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +71,21 @@ def device_states_text(value: str | float) -> str:
     return value if value == "auto" else "off" if not value else f"{value:g}"
 
 
+_KEPT: dict = {}  # id(arguments) -> (a weak reference to them, the values read, their settings): OffloadSettings.of
+_MISSING = object()
+
+
+class _Reads:
+    """The arguments, noting each attribute read (the values `OffloadSettings.of` watches for a change)."""
+
+    def __init__(self, args) -> None:
+        self.args, self.names = args, set()
+
+    def __getattr__(self, name: str):
+        self.names.add(name)
+        return getattr(self.args, name)
+
+
 @dataclass(frozen=True)
 class OffloadSettings:
     """The switches of one run. `None` leaves a switch to the plan (`decided`). The last group is the Trainer's own
@@ -132,6 +148,21 @@ class OffloadSettings:
         if self.layer_swap is not False and not self.checkpointing:
             raise ValueError("layer_swap fetches each swapped layer again for its recompute in backward: set "
                              "activation_checkpointing: true as well")
+
+    @classmethod
+    def of(cls, args) -> "OffloadSettings":
+        """`from_args(args)`, resolved once per arguments object, and again only where a value it read changed since
+        (a field set after the arguments were built). The command's plan, the Trainer it makes and the wiring all
+        read this one object. (Kept beside the arguments, not on them: a plain `TrainingArguments` pickled into a
+        checkpoint must not need this package to load.)"""
+        kept = _KEPT.get(id(args))
+        if kept is None or kept[0]() is not args or any(getattr(args, k, _MISSING) != v for k, v in kept[1].items()):
+            reads = _Reads(args)
+            settings = cls.from_args(reads)
+            key = id(args)
+            kept = _KEPT[key] = (weakref.ref(args, lambda _, key=key: _KEPT.pop(key, None)),
+                                 {k: getattr(args, k, _MISSING) for k in reads.names}, settings)
+        return kept[2]
 
     @classmethod
     def from_args(cls, args) -> "OffloadSettings":

@@ -179,3 +179,26 @@ def test_the_defaults_check_catches_a_second_default(line, tmp_path, monkeypatch
     monkeypatch.setattr(sys.modules[__name__], "PKG", fake)
     with pytest.raises(AssertionError):
         test_defaults_and_bounds_are_written_once()
+
+
+def test_settings_are_resolved_once_per_train(tmp_path, monkeypatch):
+    """One `OffloadSettings` per run: the arguments resolve them, and the command's plan, the Trainer it makes and
+    the wiring read that one (they were resolved three times); a field set afterwards resolves them again."""
+    from cli_cases import Case, log_to_current_stderr
+    from offload_trainer import cli
+    from offload_trainer.settings import OffloadSettings
+
+    made = []
+    real = OffloadSettings.from_args.__func__
+    monkeypatch.setattr(OffloadSettings, "from_args",
+                        classmethod(lambda cls, args: made.append(args) or real(cls, args)))
+    case = Case(tmp_path)
+    log_to_current_stderr()
+    assert cli.main(["train", str(case.config)]) == 0
+    assert len(made) == 1
+    from offload_trainer import OffloadTrainingArguments
+
+    args = OffloadTrainingArguments(output_dir=str(tmp_path / "o"), report_to="none", max_grad_norm=1.0)
+    assert OffloadSettings.of(args) is OffloadSettings.of(args) and OffloadSettings.of(args).max_grad_norm == 1.0
+    args.max_grad_norm = 0.5
+    assert OffloadSettings.of(args).max_grad_norm == 0.5

@@ -77,7 +77,7 @@ def _train(config: str, overrides: list[str]) -> str:
     from ..trainer.args import streams_optimizer  # (transformers: loaded once the config is known good)
 
     model_args, data_args, training_args = parse_args(cfg)  # (every switch and conflict checked as they are built)
-    settings = OffloadSettings.from_args(training_args)
+    settings = OffloadSettings.of(training_args)
     check_data_and_steps(data_args, training_args)
     out = training_args.output_dir
     main_rank = int(os.environ.get("RANK", "0")) == 0
@@ -120,7 +120,7 @@ def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: floa
                  gpus: int | None = None) -> None:
     cfg = load_config(config, overrides)
     model_args, data_args, training_args = parse_args(cfg)
-    settings = OffloadSettings.from_args(training_args)
+    settings = OffloadSettings.of(training_args)
     if host_gb is not None:  # (--host-gb: the budget of the machine planned for, as the key is)
         settings = dataclasses.replace(settings, host_memory_limit_gb=host_gb)
     # no gpu_memory_limit_gb: on a machine with a GPU, plan for it, as the Trainer will; a host budget is planned for
@@ -173,23 +173,15 @@ def model_errors(path: str | None, what: str):
 
 def make_plan(model_args, data_args, settings, gpus: int | None = None, gpu_gb: float | None = None,
               host_gb: float | None = None, model_config=None, strict: bool = True):
-    """The plan, or ConfigError naming what to change when none fits. An architecture the planner does not know is
-    refused by `plan` (strict) and trained without a plan by `train` (said in the log). `gpu_gb`, `host_gb`: what
-    this machine has for the run (the plan is for the settings' limits where those are less)."""
-    from ..planner import HostPlanError, PlanError, UnknownArchitecture, plan_for_run
+    """The plan, None where `train` goes on without one, or ConfigError naming what to change (`strict`: `plan`,
+    which refuses an architecture the planner does not know; the rule is `planner.plan_or_none`'s). `gpu_gb`,
+    `host_gb`: what this machine has for the run (the plan is for the settings' limits where those are less)."""
+    from ..planner import PlanError, plan_or_none
     try:
-        return plan_for_run(settings, model_config or model_config_of(model_args), data_args.max_seq_length,
-                            host_gb=host_gb, gpu_gb=gpu_gb, model_args=model_args, ranks=gpus)
-    except UnknownArchitecture as e:
-        if strict:
-            raise ConfigError(f"{e}") from None
-        logger.warning("no plan: %s", e)
+        return plan_or_none(settings, model_config or model_config_of(model_args), data_args.max_seq_length,
+                            required=strict, host_gb=host_gb, gpu_gb=gpu_gb, model_args=model_args, ranks=gpus)
     except PlanError as e:
-        # (short of host memory, the kernel would kill the run with no word: refused, GPU budget or not)
-        if strict or settings.gpu_memory_limit_gb or isinstance(e, HostPlanError):
-            raise ConfigError(f"{e}") from None
-        # (the card's own memory, no cap asked for: training tries with the switches as given, as the Trainer does)
-        logger.warning("the planner finds no plan that fits this GPU (%.1f GiB): %s", gpu_gb or 0, e)
+        raise ConfigError(f"{e}") from None
 
 
 def check_data_and_steps(data_args, training_args) -> None:

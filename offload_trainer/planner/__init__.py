@@ -8,14 +8,13 @@ backward; one layer's recompute and gradients in the middle), plus the allocator
 on the H200 runs in bench/results (`Machine`). shape.py reads the config; search.py finds the fastest plan that fits
 (or says what to change); table.py is the Plan and its table; from_args.py plans for a run's settings.
 """
-from ..sysinfo import host_available_gib  # noqa: F401  (re-exported for the CLI)
-from .from_args import SAVE_SHARD_BYTES, dtype_bytes, plan_at_resident, plan_for_run
+from .from_args import SAVE_SHARD_BYTES, dtype_bytes, plan_at_resident, plan_for_run, plan_or_none
 from .search import DEVICE_STATE_FILL_FRACTION, DEVICE_STATE_FILL_MARGIN_GIB, DEVICE_STATE_MARGIN_GIB, plan
 from .shape import GiB, KNOWN_TYPES, HostPlanError, Machine, ModelShape, PlanError, UnknownArchitecture, machine_for
 from .table import Plan
 
-__all__ = ["plan", "plan_for_run", "plan_at_resident", "Plan", "PlanError", "HostPlanError", "UnknownArchitecture",
+__all__ = ["plan", "plan_for_run", "plan_or_none", "plan_at_resident", "Plan", "PlanError", "HostPlanError", "UnknownArchitecture",
            "Machine", "machine_for",
            "ModelShape", "GiB",
            "SAVE_SHARD_BYTES", "KNOWN_TYPES", "dtype_bytes",
-           "host_available_gib", "DEVICE_STATE_MARGIN_GIB", "DEVICE_STATE_FILL_MARGIN_GIB", "DEVICE_STATE_FILL_FRACTION"]
+           "DEVICE_STATE_MARGIN_GIB", "DEVICE_STATE_FILL_MARGIN_GIB", "DEVICE_STATE_FILL_FRACTION"]

@@ -168,13 +168,12 @@ def _host(x) -> None:
               "offloaded activations (pinned)": n * x.host_acts,
               "swapped layers (pinned)": n * x.swapped * x.layer_bytes}
     x.pinned = sum(pinned.values())
-    process = {"Python, torch, CUDA context, the batch": n * x.m.host_base_gib * GiB,
-               "data loader workers": n * x.workers * x.m.worker_gib * GiB}
-    x.host_parts = {**process, **pinned, "a save's shard": x.save_shard}  # (one process saves)
+    base = {"Python, torch, CUDA context, the batch": n * x.m.host_base_gib * GiB}
+    x.host_parts = {**base, "data loader workers": n * x.workers * x.m.worker_gib * GiB, **pinned,
+                    "a save's shard": x.save_shard}  # (one process saves)
     if x.swapped:  # with layer swap every decoder layer is first made (or loaded) in CPU memory, one by one, and only
         # then pinned or moved to the GPU: a QLoRA run peaks there (70B: all 80 NF4 layers, 34.8 GiB measured)
-        load = {"Python, torch, CUDA context, the batch": n * x.m.host_base_gib * GiB,
-                "every decoder layer, loaded before the swap places it": n * x.shape.layers * x.layer_bytes}
+        load = {**base, "every decoder layer, loaded before the swap places it": n * x.shape.layers * x.layer_bytes}
         if sum(load.values()) > sum(x.host_parts.values()):
             x.host_parts = load
     x.host_parts = {k: v for k, v in x.host_parts.items() if v}

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 
 from ..settings import OffloadSettings
 from .search import plan
-from .shape import ModelShape
+from .shape import HostPlanError, ModelShape, PlanError, UnknownArchitecture
 from .table import Plan
+
+logger = logging.getLogger("offload_trainer")
 
 # The Trainer's saves (and the command's merged LoRA model) are split into shards of at most this size. safetensors
 # copies every tensor of a shard to host memory before writing it, and transformers 5's default (50GB) makes an 8B
@@ -15,6 +18,26 @@ from .table import Plan
 # 30.8 GiB against 15.9 during training; 46.7 against 32.3 with exact clipping) -- more than
 # a 32 GB machine has. With 2 GB shards (measured) the final save raised the host peak by 1.9 GiB, one shard.
 SAVE_SHARD_BYTES = 2 * 10**9
+
+
+def plan_or_none(settings: OffloadSettings, config, seq: int, *, required: bool, **kw) -> Plan | None:
+    """`plan_for_run(settings, config, seq, **kw)`, or None where the run goes on without a plan (said in the log):
+    the one rule of when a PlanError stops a run, for the command and the Trainer. Raised where a plan is required:
+    asked for (`required`: `offload-trainer plan`), a GPU cap to keep within, or host memory short of every plan
+    (the kernel would end the run with SIGKILL, no word). Otherwise -- an architecture the planner does not know, no
+    plan that fits the card's own memory with no cap asked for -- training tries with the switches as given, as the
+    Trainer would."""
+    try:
+        return plan_for_run(settings, config, seq, **kw)
+    except UnknownArchitecture as e:
+        if required:
+            raise
+        logger.warning("no plan: %s", e)
+    except PlanError as e:
+        if required or settings.gpu_memory_limit_gb or isinstance(e, HostPlanError):
+            raise
+        logger.warning("the planner finds no plan that fits this GPU (%.1f GiB): %s", kw.get("gpu_gb") or 0, e)
+    return None
 
 
 def plan_for_run(settings: OffloadSettings, config, seq: int, *, host_gb: float | None = None,
@@ -30,9 +53,9 @@ def plan_for_run(settings: OffloadSettings, config, seq: int, *, host_gb: float 
     `ranks`: data parallel processes on this node (default: the launcher's, `settings.world_size` and
     LOCAL_WORLD_SIZE; one process sees one GPU).
     `host_gb`: the host memory this machine has for the run (what is available); the plan is made for it, or for
-    `host_memory_limit_gb` where that is less (or where this machine's is not given: planning for another machine). The host peak includes a save's shard (`SAVE_SHARD_BYTES`, or the
-    bf16 weights when smaller; with LoRA too: checkpoints hold the adapters, but `offload-trainer train` also writes
-    the merged model)."""
+    `host_memory_limit_gb` where that is less (or where this machine's is not given: planning for another machine).
+    The host peak includes a save's shard (`SAVE_SHARD_BYTES`, or the bf16 weights when smaller; with LoRA too:
+    checkpoints hold the adapters, but `offload-trainer train` also writes the merged model)."""
     s = settings
     gpu = min((g for g in (s.gpu_memory_limit_gb, gpu_gb) if g), default=None)  # (a cap above the card is the card)
     host, source = host_budget(s.host_memory_limit_gb, host_gb)

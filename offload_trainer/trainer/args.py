@@ -74,7 +74,7 @@ def streams_optimizer(args, settings: OffloadSettings | None = None, *, optimize
     is a GPU, and (given the `model`) more than SMALL_TRAINABLE_FRACTION of it trains; otherwise the Trainer's own
     optimizer runs (the caller logs the reason). True insists (a contradiction is an error, before any weight is
     touched); False never streams."""
-    asked = (settings or OffloadSettings.from_args(args)).offload_optimizer
+    asked = (settings or OffloadSettings.of(args)).offload_optimizer
     optim = optim_name(args)
     if asked is False:
         return False, "offload_optimizer is false"
@@ -284,13 +284,14 @@ class OffloadFields:
         problems = check_values({k: v for k, v in vars(self).items() if isinstance(v, (int, float))})
         if problems:  # (a NaN learning rate or clip norm would train NaN weights and log losses of 0)
             raise ValueError("; ".join(problems))
-        settings = OffloadSettings.from_args(self)  # every bound and conflict of our switches (ValueError)
+        # one spelling of each (`on` / `true` read as auto), then the settings, resolved once for the run
+        self.layer_swap = layer_swap_text(S.parse_layer_swap(self.layer_swap))
+        self.offload_device_states = device_states_text(S.parse_device_states(self.offload_device_states))
+        settings = OffloadSettings.of(self)  # every bound and conflict of our switches (ValueError)
         streams_optimizer(self, settings)  # a contradiction (offload_optimizer: true with optim: sgd) fails here
         conflict = several_gpus_conflict(self, settings)
         if conflict:
             raise ValueError(conflict)
-        self.layer_swap = layer_swap_text(settings.layer_swap)  # (one spelling: `on` / `true` read as auto)
-        self.offload_device_states = device_states_text(settings.device_states)
 
 
 @dataclass

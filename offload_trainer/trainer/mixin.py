@@ -70,7 +70,7 @@ def _head_and_decoder(model: nn.Module):
 
 def _settings(args) -> OffloadSettings:
     try:
-        return OffloadSettings.from_args(args)
+        return OffloadSettings.of(args)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 

@@ -9,7 +9,7 @@ from ..errors import ConfigError
 from ..engine.distributed import Sharding
 from ..models import base_model
 from ..engine.optim import StreamedAdamW8bit
-from ..planner import HostPlanError, Machine, PlanError, plan_for_run
+from ..planner import Machine, plan_or_none
 from .run_state import RunState
 from .seams import claim_device_map
 from ..engine.fit import CudaProbe, ResidencyFit
@@ -44,17 +44,12 @@ def make_plan(trainer, run: RunState) -> None:
         logger.info("plan: the reference model holds %.2f GiB of the GPU beside the trained one", others)
     try:
         # (the host's RAM too, as the command plans: speculative clipping is chosen only where it has room)
-        run.plan = plan_for_run(run.settings, config, seq, gpu_gb=gpu_gb, host_gb=host_available_gib(),
+        run.plan = plan_or_none(run.settings, config, seq, required=False, gpu_gb=gpu_gb, host_gb=host_available_gib(),
                                 lora_params=lora, weight_bits=bits, other_models_gib=others)
-    except (AttributeError, TypeError) as e:  # not a decoder-only LM config the planner knows
-        logger.info("no plan: %s", e if isinstance(e, PlanError) else "the model's config has no shape the "
-                    "planner reads")
+    except (AttributeError, TypeError):  # not a decoder-only LM config the planner reads
+        logger.info("no plan: the model's config has no shape the planner reads")
         return
-    except PlanError as e:
-        if limit or isinstance(e, HostPlanError):  # (short of host memory the kernel would kill the run, unsaid)
-            raise
-        if gpu_gb:  # (the card's own memory: warn, and let training try with the switches as given)
-            logger.warning("the planner finds no plan that fits this GPU (%.1f GiB): %s", gpu_gb, e)
+    if run.plan is None:
         return
     logger.info("plan:\n%s", run.plan.table())
 

@@ -135,3 +135,33 @@ def test_the_key_is_checked_and_resolved_once():
     assert s.host_memory_limit_gb == 57 and s.data_workers == 2
     with pytest.raises(ValueError, match="host_memory_limit_gb=0: give a positive number of GiB"):
         OffloadTrainingArguments(output_dir="/tmp/x", host_memory_limit_gb=0, report_to="none")
+
+
+def test_when_a_plan_error_stops_a_run(caplog):
+    """The one rule the command and the Trainer follow (`plan_or_none`): no plan fitting the card's own memory, or an
+    architecture the planner does not know, is said and training goes on; a plan asked for, a GPU cap, or a host
+    short of every plan (the kernel would kill the run) stops it."""
+    from types import SimpleNamespace
+
+    from offload_trainer.planner import PlanError, UnknownArchitecture, plan_or_none
+    from offload_trainer.settings import OffloadSettings
+
+    config = architecture_config("llama3-8b")
+    settings = OffloadSettings(offload_optimizer=True, batch=4, checkpointing=True)
+    with caplog.at_level("WARNING", logger="offload_trainer"):
+        assert plan_or_none(settings, config, 2048, required=False, gpu_gb=4.0, host_gb=100.0) is None
+    assert "the planner finds no plan that fits this GPU (4.0 GiB)" in caplog.text
+    with pytest.raises(PlanError):
+        plan_or_none(settings, config, 2048, required=True, gpu_gb=4.0, host_gb=100.0)
+    with pytest.raises(PlanError):
+        plan_or_none(OffloadSettings(offload_optimizer=True, batch=4, checkpointing=True, gpu_memory_limit_gb=4.0),
+                     config, 2048, required=False, host_gb=100.0)
+    with pytest.raises(HostPlanError):
+        plan_or_none(settings, config, 2048, required=False, gpu_gb=22.6, host_gb=4.0)
+    unknown = SimpleNamespace(model_type="no-such-model")
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="offload_trainer"):
+        assert plan_or_none(settings, unknown, 2048, required=False, gpu_gb=22.6, host_gb=100.0) is None
+    assert "no plan: " in caplog.text
+    with pytest.raises(UnknownArchitecture):
+        plan_or_none(settings, unknown, 2048, required=True, gpu_gb=22.6, host_gb=100.0)
