@@ -97,7 +97,7 @@ SHARED = {"", "digest", "errors", "limits", "settings", "sysinfo"}
 LAYERS = {
     "engine": SHARED,
     "planner": SHARED | {"engine"},
-    "models": SHARED | {"engine", "planner", "data"},
+    "models": SHARED | {"engine", "data"},  # (not the planner: callers count what a model needs from its config)
     "data": SHARED,
     "trainer": SHARED | {"engine", "planner", "models"},
     "cli": SHARED | {"engine", "planner", "models", "data", "trainer"},
@@ -202,3 +202,14 @@ def test_settings_are_resolved_once_per_train(tmp_path, monkeypatch):
     assert OffloadSettings.of(args) is OffloadSettings.of(args) and OffloadSettings.of(args).max_grad_norm == 1.0
     args.max_grad_norm = 0.5
     assert OffloadSettings.of(args).max_grad_norm == 0.5
+
+
+def test_the_trainer_shell_loads_no_data_layer():
+    """`import offload_trainer.trainer` (what a Trainer user imports) loads neither our data layer nor `datasets` or
+    `peft`: those load where a run uses them."""
+    import subprocess
+
+    code = ("import sys, offload_trainer.trainer; "
+            "print(sorted(m for m in ('datasets', 'peft', 'offload_trainer.data') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -123,7 +123,9 @@ def test_pretrained_qlora_with_layer_swap_through_the_cli(tmp_path, capsys, monk
 def test_random_init_goes_to_the_gpu_only_where_its_weights_fit(monkeypatch):
     from offload_trainer.models import random_init_device
 
-    cfg = architecture_config("tiny-llama")  # 0.8M bf16 parameters: ~1.6 MB, + 1 GiB to spare
+    from offload_trainer.planner import ModelShape
+
+    cfg = ModelShape.from_config(architecture_config("tiny-llama")).params  # 0.8M bf16 parameters: ~1.6 MB, + 1 GiB
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     free = {"bytes": 2 * 2**30}
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["bytes"], 80 * 2**30))

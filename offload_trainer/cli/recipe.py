@@ -12,7 +12,7 @@ import signal
 
 from .. import sysinfo
 from ..errors import ConfigError, TrainingInterrupted, stop_signals_call
-from ..planner import Machine
+from ..planner import Machine, ModelShape
 from ..settings import OffloadSettings
 from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save
 from ..trainer.checkpoint import newest_complete_checkpoint
@@ -207,7 +207,6 @@ def final_output_bytes(model_args, model_config) -> int:
     """Bytes the run writes at its end: the model; with LoRA the adapters (fp32, peft's default) and, but for QLoRA,
     the merged model beside them."""
     from ..models import DTYPES
-    from ..planner import ModelShape
 
     try:
         shape = ModelShape.from_config(model_config)
@@ -246,7 +245,8 @@ def build_trainer(model_args, data_args, training_args, settings, model_config, 
     init_device = None  # a random-init model is built on the GPU: whole where it fits, else layer by layer for the swap
     if not (model_args.model_name_or_path or getattr(model_args, "load_in_4bit", False)):
         init_device = training_args.device if swap else random_init_device(
-            model_config, DTYPES[model_args.torch_dtype], training_args.device, settings.gpu_memory_limit_gb)
+            ModelShape.from_config(model_config).params, DTYPES[model_args.torch_dtype], training_args.device,
+            settings.gpu_memory_limit_gb)
     with model_errors(model_args.model_name_or_path, "the weights"):
         model = load_model(model_args, layerwise=swap,
                            init_device=init_device)

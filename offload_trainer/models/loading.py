@@ -10,7 +10,6 @@ import torch
 
 from ..data.sources import builtin_asset
 from ..errors import ConfigError
-from ..planner import ModelShape
 from .layerwise import pretrained_4bit_layerwise, random_init_4bit, random_init_layerwise
 from .registry import DTYPES, VISION_LM_TARGETS, architecture_config, base_model, model_class
 
@@ -37,13 +36,14 @@ def load_tokenizer(model_args):
     return tok
 
 
-def random_init_device(config, dtype: torch.dtype, device: torch.device, budget_gib: float | None = None):
-    """Where to build a random-init model: on `device` (a GPU) when its weights fit there, within `budget_gib` and
-    the free memory, with 1 GiB to spare -- seconds, where initializing an 8B model on the CPU took over 4 minutes
+def random_init_device(params: int, dtype: torch.dtype, device: torch.device, budget_gib: float | None = None):
+    """Where to build a random-init model of `params` parameters (the caller counts them from the config: the
+    planner's ModelShape): on `device` (a GPU) when its weights fit there, within `budget_gib` and the free memory,
+    with 1 GiB to spare -- seconds, where initializing an 8B model on the CPU took over 4 minutes
     (H200 machine, 16 cores) -- else on the CPU. The same seed gives other weights on the GPU than on the CPU."""
     if device.type != "cuda":
         return torch.device("cpu")
-    need = ModelShape.from_config(config).params * dtype.itemsize + 2**30
+    need = params * dtype.itemsize + 2**30
     free, _ = torch.cuda.mem_get_info(device)
     room = min(free, budget_gib * 2**30) if budget_gib else free
     return device if need <= room else torch.device("cpu")
