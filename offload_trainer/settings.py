@@ -50,6 +50,18 @@ def layer_swap_text(value: bool | int | None) -> str:
     return "off" if value is False else "auto" if value is None else str(value)
 
 
+def gradients_offloaded(offload: bool, *, asked: bool | None, clips: bool, accumulation: int,
+                        swapped_trainable: bool) -> bool:
+    """Whether gradients wait in pinned host memory (the planner counts them there, the optimizer puts them there).
+    They wait only for the global norm (clipping) or for the other micro-batches (accumulation); then as decided
+    (`offload`: the switch, or the plan's choice where `asked` is None), and always where trained layers are swapped
+    and micro-batches accumulate with the switch left to the plan: a swapped layer's gradient sums must not pile up
+    on the GPU."""
+    if not (clips or accumulation > 1):
+        return False
+    return offload or (asked is None and swapped_trainable and accumulation > 1)
+
+
 def parse_device_states(value: Any) -> str | float:
     """`offload_device_states` ('auto', or GiB; 'off' / None: 0) as the planner takes it."""
     text = str(value).strip().lower()

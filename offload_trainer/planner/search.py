@@ -8,7 +8,7 @@ import functools
 import math
 
 from ..engine.sizes import STATE_BYTES_PER_VALUE
-from ..settings import CHUNK_NUMEL, INFLIGHT_CHUNKS, LOSS_CHUNK, MLP_TILE_TOKENS
+from ..settings import CHUNK_NUMEL, INFLIGHT_CHUNKS, LOSS_CHUNK, MLP_TILE_TOKENS, gradients_offloaded
 from .estimate import estimate as _estimate
 from .shape import GiB, HostPlanError, Machine, ModelShape, PlanError, machine_for
 from .table import Plan
@@ -71,7 +71,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     tried, gpu_fits = [], []  # every plan tried; whether each fit the GPU
     tilings = [False, True] if tiled_mlp is None and seq > MLP_TILE_TOKENS else [bool(tiled_mlp)]
     for switches in (dict(s, tiled=tiled) for tiled in tilings for s in _candidates(
-            shape.layers, layer_swap, activation_offload, offload_gradients, grads_wait=clip or accum > 1,
+            shape.layers, layer_swap, activation_offload, offload_gradients, clip=clip, accum=accum,
             lora=bool(lora_params), gpu_fits=gpu_fits)):
         e = est(batch=batch, seq=seq, **switches)
         p = Plan(offload_gradients=switches["offload_gradients"], activation_offload=switches["activation_offload"],
@@ -97,13 +97,13 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     raise (HostPlanError if any(gpu_fits) else PlanError)(advice)
 
 
-def _candidates(layers: int, layer_swap, activation_offload, offload_gradients, *, grads_wait: bool, lora: bool,
-                gpu_fits: list):
+def _candidates(layers: int, layer_swap, activation_offload, offload_gradients, *, clip: bool, accum: int,
+                lora: bool, gpu_fits: list):
     """The switches to try, fastest first: every layer resident (no swap traffic), then as many resident layers as
-    fit; at each, activations and gradients on the GPU before offloaded (a switch given is not searched)."""
+    fit; at each, activations and gradients on the GPU before offloaded (a switch given is not searched; where
+    gradients go is `settings.gradients_offloaded`, as the optimizer will place them)."""
     acts = [False, True] if activation_offload is None else [activation_offload]
-    grads = ([False, True] if offload_gradients is None else [offload_gradients]) if grads_wait and not lora \
-        else [False]
+    asked = [False, True] if offload_gradients is None else [offload_gradients]
     if layer_swap is False:
         residents = [layers]
     elif layer_swap is None or layer_swap is True:
@@ -111,6 +111,9 @@ def _candidates(layers: int, layer_swap, activation_offload, offload_gradients, 
     else:
         residents = [min(int(layer_swap), layers)]
     for resident in residents:
+        grads = dict.fromkeys(not lora and gradients_offloaded(
+            og, asked=offload_gradients, clips=clip, accumulation=accum, swapped_trainable=resident < layers)
+            for og in asked)  # (in order, once each)
         for act in acts:
             for og in grads:
                 yield dict(offload_gradients=og, activation_offload=act, resident=resident)

@@ -16,7 +16,7 @@ from ..engine.fit import CudaProbe, ResidencyFit
 from ..engine.layers import decoder_layers
 from ..engine.swap import LayerSwap
 from ..engine.tiled_mlp import tile_mlps
-from ..settings import LAYER_SWAP_FIT_STEPS, MLP_TILE_TOKENS
+from ..settings import LAYER_SWAP_FIT_STEPS, MLP_TILE_TOKENS, gradients_offloaded
 from ..sysinfo import gpu_budget_gib, host_available_gib
 
 logger = logging.getLogger("offload_trainer")
@@ -198,9 +198,9 @@ def streamed_optimizer(trainer, run: RunState, model=None):
         raise ConfigError("speculative_clipping with several ranks streams every 8-bit state (each rank must know "
                           "which updates speculate), but offload_device_states keeps some on the GPU: set "
                           "offload_device_states: off, or speculative_clipping: false")
-    offload_grads = run.decided("offload_gradients")
-    if s.offload_gradients is None and run.swap is not None and run.swap.trainable_swapped:
-        offload_grads = offload_grads or accumulate  # swapped layers' gradients must not pile up on the GPU
+    offload_grads = gradients_offloaded(run.decided("offload_gradients"), asked=s.offload_gradients, clips=s.clips,
+                                        accumulation=s.accumulation,
+                                        swapped_trainable=run.swap is not None and run.swap.trainable_swapped)
     run.optimizer = opt = StreamedAdamW8bit(
         groups,  # both, also when one is empty: get_learning_rates() lists them as the Trainer's do
         lr=args.learning_rate,
@@ -210,7 +210,7 @@ def streamed_optimizer(trainer, run: RunState, model=None):
         bf16_stochastic_round=s.stochastic_rounding,
         update_in_backward=not s.clips,
         speculative=speculative,
-        offload_gradients=(s.clips or accumulate) and offload_grads,
+        offload_gradients=offload_grads,
         chunk_numel=s.chunk_numel,
         inflight_chunks=s.inflight_chunks,
         sharding=Sharding() if run.sharded else None,
