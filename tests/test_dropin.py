@@ -14,7 +14,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from helpers import tiny_setup
 from offload_trainer import OffloadTrainer, OffloadTrainingArguments, StreamedAdamW8bit
-from offload_trainer.errors import CheckpointError, ConfigError
+from offload_trainer.errors import ConfigError
 
 # Keys our training logs add to the Trainer's (throughput and memory; the README lists them).
 OUR_LOG_KEYS = {"tok_per_s", "host_rss_gib", "gpu_peak_gib", "pcie_gb_per_s", "host_pinned_gib", "gpu_stall_ms",
@@ -244,18 +244,23 @@ def test_resume_true_and_save_total_limit_as_the_trainer(tmp_path):
     assert ours.state.global_step == 8 and len(train_logs(ours)) == 8
 
 
-def test_resuming_a_finished_run_is_refused(tmp_path):
-    """train(resume_from_checkpoint=True) on a run that reached max_steps: the Trainer trains one step past its end
-    (and saves that model over the finished one); ours refuses with the fix, and trains once max_steps is raised."""
+def test_resuming_a_finished_run_trains_nothing(tmp_path):
+    """train(resume_from_checkpoint=True) from a checkpoint at max_steps: the Trainer trains one step past its end
+    and makes that the model; ours loads the checkpoint's weights and trains nothing, and trains on once max_steps
+    is raised."""
     stock, ours = pair(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
     for t in (stock, ours):
         t.train()
         assert t.state.global_step == 2
     stock.train(resume_from_checkpoint=True)
-    assert stock.state.global_step == 3  # (the Trainer's behaviour this refuses)
-    with pytest.raises(CheckpointError, match=r"checkpoint-2 is at step 2 and the run stops at step 2 \(max_steps\): "
-                                              r"it is finished.*Raise max_steps"):
-        ours.train(resume_from_checkpoint=True)
+    assert stock.state.global_step == 3  # (the Trainer's behaviour this replaces)
+    trained = {n: p.detach().clone() for n, p in ours.model.named_parameters()}
+    with torch.no_grad():
+        for p in ours.model.parameters():
+            p.zero_()  # (so that the checkpoint's weights must be loaded back)
+    out = ours.train(resume_from_checkpoint=True)
+    assert out.global_step == ours.state.global_step == 2 and math.isfinite(out.training_loss)
+    assert all(torch.equal(p, trained[n]) for n, p in ours.model.named_parameters())
     assert sorted(p.name for p in (tmp_path / "ours").iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]
     ours.args.max_steps = 3
     ours.train(resume_from_checkpoint=True)

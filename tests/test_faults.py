@@ -556,6 +556,9 @@ def test_disk_full_during_the_final_save(tmp_path, capsys):
         rc, err = case.run(capsys, "resume_from_checkpoint=true")
         assert rc == 0, err[-2000:]
         assert (run / "model.safetensors").exists() and losses(run, 4) == before
+        # the model written is checkpoint-4's: no step past max_steps (the Trainer's resume would train step 5)
+        assert json.loads((run / "trainer_state.json").read_text())["global_step"] == 4
+        assert not (run / "checkpoint-5").exists() and "nothing is trained" in err
 
 
 def test_save_strategy_no_still_checks_the_disk_for_the_model(tmp_path, capsys):

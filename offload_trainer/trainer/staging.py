@@ -49,26 +49,39 @@ def resolve_resume(trainer, run: RunState, resume):
 def _check_changes(trainer, run: RunState, checkpoint: str) -> None:
     try:
         with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-            state = json.load(f)
-        step = int(state["global_step"])
+            step = int(json.load(f)["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
-        state, step = {}, None
-    _check_not_finished(trainer.args, checkpoint, step, state)
+        step = None
     resume_changes.check(checkpoint, trainer.args, step, row_tokens(trainer, run), training_rows(trainer))
 
 
-def _check_not_finished(args, checkpoint: str, step: int | None, state: dict) -> None:
-    """A checkpoint at or past the run's last step: the Trainer would train one step past max_steps and save that
-    model over the finished one (`offload-trainer train` says "nothing to train" before it gets here)."""
+def finished_at(args, checkpoint: str) -> int | None:
+    """The checkpoint's step where it is the run's last (max_steps; or, by epochs, the total of the same run)."""
+    try:
+        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+            state = json.load(f)
+        step = int(state["global_step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
     target = args.max_steps
-    if target <= 0 and state.get("num_train_epochs") == args.num_train_epochs:  # (by epochs: the same run's total)
+    if target <= 0 and state.get("num_train_epochs") == args.num_train_epochs:
         target = state.get("max_steps", 0)
-    if step is None or not isinstance(target, int) or step != target:  # (past it: resume_changes refuses)
-        return
-    raise CheckpointError(f"{checkpoint} is at step {step} and the run stops at step {target} (max_steps): it is "
-                          f"finished, and resuming it would train one step past its end and save that model over it. "
-                          f"Raise max_steps to train further; the finished model is in {args.output_dir} (or in "
-                          f"{checkpoint}).")
+    return step if step == target else None  # (past it: resume_changes refuses)
+
+
+def load_finished(trainer, checkpoint: str, step: int):
+    """Resuming a checkpoint at the run's last step: its weights and state are loaded and nothing is trained. The
+    Trainer would train one step past max_steps and make that the run's model; here what follows train() -- the
+    final save -- writes the checkpoint's model, which completes a run whose own final save failed."""
+    from transformers.trainer_callback import TrainerState
+    from transformers.trainer_utils import TrainOutput
+
+    trainer._load_from_checkpoint(checkpoint)
+    trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    logger.info("%s is at step %d, the run's last (max_steps): its weights are loaded and nothing is trained (the "
+                "Trainer would train one step past the end). Raise max_steps to train further.", checkpoint, step)
+    return TrainOutput(step, sum(losses) / len(losses) if losses else float("nan"), {})
 
 
 def training_rows(trainer) -> int | None:
