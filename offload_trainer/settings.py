@@ -24,8 +24,17 @@ MASTER_WEIGHTS = ("bf16_sr", "bf16")  # the first is the default
 DEVICE_STATES = "auto"
 LAYER_SWAP = "off"
 
-_OFF = ("off", "false", "no", "none", "")
-_AUTO = ("auto", "true", "on", "yes")
+# One vocabulary for a switch's words, in a config, an override and the arguments (YAML 1.1 readers also turn a bare
+# on / off / yes / no into a boolean: each is read as that boolean)
+ON_WORDS = ("on", "true", "yes")
+OFF_WORDS = ("off", "false", "no", "none", "")
+_AUTO = ("auto", *ON_WORDS)  # (for a switch with a planner's choice, `on` asks for it)
+
+
+def switch_word(value: Any) -> bool | None:
+    """True / False for a word of the vocabulary (any case), None for anything else."""
+    text = str(value).strip().lower()
+    return True if text in ON_WORDS else False if text in OFF_WORDS else None
 
 
 def parse_layer_swap(value: Any) -> bool | int | None:
@@ -36,7 +45,7 @@ def parse_layer_swap(value: Any) -> bool | int | None:
     if value is True:
         return None
     text = str(value).strip().lower()
-    if text in _OFF:
+    if text in OFF_WORDS:
         return False
     if text in _AUTO:
         return None
@@ -65,7 +74,7 @@ def gradients_offloaded(offload: bool, *, asked: bool | None, clips: bool, accum
 def parse_device_states(value: Any) -> str | float:
     """`offload_device_states` ('auto', or GiB; 'off' / None: 0) as the planner takes it."""
     text = str(value).strip().lower()
-    if value is None or value is False or text in _OFF:
+    if value is None or value is False or text in OFF_WORDS:
         return 0.0
     if text == "auto":
         return "auto"

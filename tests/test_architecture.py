@@ -213,3 +213,19 @@ def test_the_trainer_shell_loads_no_data_layer():
             "print(sorted(m for m in ('datasets', 'peft', 'offload_trainer.data') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_one_vocabulary_of_switch_words(tmp_path):
+    """The config's booleans and the switches' off / auto read the same words (settings.switch_word)."""
+    from cli_cases import Case
+    from offload_trainer.cli.config import load_config
+    from offload_trainer.settings import OFF_WORDS, ON_WORDS, parse_device_states, parse_layer_swap, switch_word
+
+    for word in ON_WORDS:
+        assert switch_word(word.upper()) is True and parse_layer_swap(word) is None
+    for word in OFF_WORDS:
+        assert switch_word(word) is False and parse_layer_swap(word) is False and parse_device_states(word) == 0.0
+    assert switch_word("auto") is None and switch_word("2") is None
+    config = str(Case(tmp_path).config)
+    for word in (*ON_WORDS, *OFF_WORDS[:3]):  # a bool key given as a word: the same reading
+        assert load_config(config, [f"bf16='{word.upper()}'"])["bf16"] is switch_word(word)

@@ -22,6 +22,7 @@ import yaml
 
 from ..errors import ConfigError
 from ..limits import check_values
+from ..settings import switch_word
 from .run_args import DataArguments, ModelArguments
 
 
@@ -91,9 +92,6 @@ def _admits_float(tp: Any) -> bool:
     return tp is float
 
 
-_WORD_BOOLS = {"yes": True, "on": True, "no": False, "off": False}
-
-
 # Other names for our keys, with the same meaning: accepted as they are (TRL's SFTConfig, our earlier names).
 ALIASES = {"max_length": "max_seq_length", "text_field": "dataset_text_field"}
 # Keys of other fine-tuning tools (axolotl, LLaMA-Factory, TRL's script arguments) whose meaning differs enough
@@ -134,8 +132,9 @@ def check_keys_and_types(cfg: dict[str, Any], source: str) -> None:
         if isinstance(value, str) and _admits_float(tp) and not _type_ok(value, tp):
             with contextlib.suppress(ValueError):
                 cfg[key] = value = float(value)
-        if isinstance(value, str) and value.lower() in _WORD_BOOLS and not _type_ok(value, tp) and _type_ok(True, tp):
-            cfg[key] = value = _WORD_BOOLS[value.lower()]  # bf16: yes
+        word = switch_word(value) if isinstance(value, str) else None
+        if word is not None and not _type_ok(value, tp) and _type_ok(True, tp):
+            cfg[key] = value = word  # bf16: yes (settings' vocabulary of on / off words)
         if isinstance(value, bool) and not _type_ok(value, tp) and _type_ok("text", tp):
             cfg[key] = value = "true" if value else "false"  # resume_from_checkpoint: true
         if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
