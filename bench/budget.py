@@ -55,6 +55,7 @@ LINES = [f"compute: {name}" for name, _ in FAMILIES] + [
     "idle, waiting for the CPU: host sync", "idle, waiting for the CPU: CUDA runtime (launches, events)",
     "idle, waiting for the CPU: torch ops", "idle, waiting for the CPU: Python outside ops",
     "idle, after the last compute kernel"]
+KERNEL_NAME, TOP_KERNELS = 90, 6  # (characters of a kernel's name that tell it apart; differences listed per reference)
 REFERENCES = ("native", "native_8bit", "native_clip", "native_8bit_clip", "trainer_native", "trainer_native_8bit")
 
 
@@ -80,8 +81,12 @@ def budget(trace: dict, steps: int = 1) -> dict:
     found = compute_gaps(trace)
     streams, compute = found["streams"], found["compute"]
     us = defaultdict(float)
+    by_kernel = defaultdict(lambda: [0, 0.0])  # compute-stream kernel name -> [calls, us]
     for ev in streams[compute]:
         us[f"compute: {family(ev['name'])}"] += ev["e"] - ev["s"]
+        k = by_kernel[ev["name"][:KERNEL_NAME]]
+        k[0] += 1
+        k[1] += ev["e"] - ev["s"]
     # (kernels of one stream never overlap; should the profiler's clock make two touch, the union is the busy time)
     overlap = sum(ev["e"] - ev["s"] for ev in streams[compute]) - sum(e - s for s, e in found["busy"][compute])
     us[f"compute: {OTHER_KERNELS}"] -= overlap
@@ -136,7 +141,8 @@ def budget(trace: dict, steps: int = 1) -> dict:
     return {"step_ms": round(found["t_end"] / 1e3 / steps, 2), "lines": lines,
             "compute_beside_update_kernels_ms": round(shared / 1e3 / steps, 1),
             "other_streams_busy_ms": {k: round(v / 1e3 / steps, 1) for k, v in busy_other.items()},
-            "runtime_syncs_per_step": round(syncs / steps, 1)}
+            "runtime_syncs_per_step": round(syncs / steps, 1),
+            "kernels": {k: [round(n / steps, 1), round(t / 1e3 / steps, 2)] for k, (n, t) in by_kernel.items()}}
 
 
 def _overlap(a: list, b: list) -> float:
@@ -198,9 +204,17 @@ def tables(rows: list[dict], root: str = ".") -> list[dict]:
                 "difference_ms": {k: round(b["lines"][k] - c["lines"][k], 2) for k in LINES},
                 "profiled_difference_ms": round(profiled, 2), "measured_difference_ms": round(measured, 2),
                 "residual_ms": round(measured - profiled, 2),
-                "residual_of_measured_step": round((measured - profiled) / (r["step_s_median"] * 1e3), 4)})
+                "residual_of_measured_step": round((measured - profiled) / (r["step_s_median"] * 1e3), 4),
+                "kernel_differences": _kernel_differences(b["kernels"], c["kernels"])})
         out.append(entry)
     return out
+
+
+def _kernel_differences(ours: dict, ref: dict, top: int = TOP_KERNELS) -> list:
+    """The compute-stream kernels whose time per step differs most: [name, ms difference, (calls, ms) ours, ref]."""
+    names = sorted(set(ours) | set(ref), key=lambda k: -abs(ours.get(k, [0, 0])[1] - ref.get(k, [0, 0])[1]))
+    return [[k, round(ours.get(k, [0, 0])[1] - ref.get(k, [0, 0])[1], 1), ours.get(k, [0, 0]), ref.get(k, [0, 0])]
+            for k in names[:top]]
 
 
 def markdown(entry: dict) -> str:
@@ -226,6 +240,11 @@ def markdown(entry: dict) -> str:
                        ("(of the compute lines) beside our update kernels", "compute_beside_update_kernels_ms"),
                        ("host syncs (runtime calls) per step", "runtime_syncs_per_step")):
         rows.append(f"| {label} | {o[key]} | " + " | ".join(f"{q[key]} | " for q in refs) + " |")
+    for q in refs:  # (what the compute lines' differences are made of)
+        rows.append(f"\nKernels that differ most against {q['system']} (ms per step; calls per step, ms: ours / "
+                    f"{q['system']}):")
+        rows += [f"- {d:+.1f} ms: {a[0]:g} calls {a[1]:.1f} ms / {b[0]:g} calls {b[1]:.1f} ms `{k[:70]}`"
+                 for k, d, a, b in q.get("kernel_differences", [])]
     return "\n".join(rows)
 
 
