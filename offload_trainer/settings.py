@@ -181,8 +181,11 @@ class OffloadSettings:
             reads = _Reads(args)
             settings = cls.from_args(reads)
             key = id(args)
-            kept = _KEPT[key] = (weakref.ref(args, lambda _, key=key: _KEPT.pop(key, None)),
-                                 {k: getattr(args, k, _MISSING) for k in reads.names}, settings)
+            try:
+                ref = weakref.ref(args, lambda _, key=key: _KEPT.pop(key, None))
+            except TypeError:  # (arguments that take no weak reference, a SimpleNamespace: resolved each time)
+                return settings
+            kept = _KEPT[key] = (ref, {k: getattr(args, k, _MISSING) for k in reads.names}, settings)
         return kept[2]
 
     @classmethod
