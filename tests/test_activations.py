@@ -71,6 +71,28 @@ def test_an_offloaded_input_is_not_kept_by_the_graph():
     assert torch.equal(x.grad, ref)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dropout_is_recomputed_with_the_forwards_random_state(device):
+    """A layer with dropout: the recompute draws the forward's mask (the random state of x's device is kept, though
+    x itself is not among checkpoint's inputs), so gradients equal plain checkpointing's."""
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Dropout(0.5), torch.nn.Tanh()).to(device)
+    x = torch.randn(32, 64, device=device, requires_grad=True)
+
+    def grads(checkpoint):
+        torch.manual_seed(1)
+        if device == "cuda":
+            torch.cuda.manual_seed(1)
+        torch.randn(3, device=device)  # (the state moves on between the forward and the recompute)
+        out = checkpoint(layer, x * 1.0)
+        torch.randn(3, device=device)
+        return torch.autograd.grad(out.sum(), [x, *layer.parameters()])
+
+    ref = grads(lambda fn, h: torch.utils.checkpoint.checkpoint(fn, h, use_reentrant=False))
+    got = grads(ActivationOffloader(device).checkpoint)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+
+
 def test_frozen_inputs_still_train_the_layer():
     """With the embeddings frozen no layer input requires grad; the layer weights must still get grads."""
     model, _, train = tiny_setup(layers=2)

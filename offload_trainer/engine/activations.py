@@ -133,7 +133,10 @@ class ActivationOffloader:
             return fn(*args, **kwargs)
         x = args[0]
         held = _Held(self, fn, x)
-        out = _checkpoint(held, *args[1:], use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs)
+        # (an empty tensor on x's device stands in for x among checkpoint's inputs: checkpoint keeps the random
+        # state of the devices its inputs are on, which dropout's recompute needs)
+        out = _checkpoint(held, x.new_empty(0), *args[1:], use_reentrant=False,
+                          preserve_rng_state=preserve_rng_state, **kwargs)
         held.x = None  # from here on the input lives in host memory only: the recompute loads it back
         return out
 
@@ -149,7 +152,7 @@ class _Held:
         self.offloader, self.fn, self.x, self.requires_grad = offloader, fn, x, x.requires_grad
         self.idx = offloader._save(x)
 
-    def __call__(self, *rest, **kwargs):
+    def __call__(self, _device_of_x, *rest, **kwargs):
         x = self.x
         if x is None:
             x = self.offloader._load(self.idx).detach().requires_grad_(self.requires_grad)
