@@ -13,8 +13,8 @@ from .search import DEVICE_STATE_FILL_FRACTION, DEVICE_STATE_FILL_MARGIN_GIB, DE
 from .shape import GiB, KNOWN_TYPES, HostPlanError, Machine, ModelShape, PlanError, UnknownArchitecture, machine_for
 from .table import Plan
 
-__all__ = ["plan", "plan_for_run", "plan_or_none", "plan_at_resident", "Plan", "PlanError", "HostPlanError", "UnknownArchitecture",
-           "Machine", "machine_for",
+__all__ = ["plan", "plan_for_run", "plan_or_none", "plan_at_resident", "Plan", "PlanError", "HostPlanError",
+           "UnknownArchitecture", "Machine", "machine_for",
            "ModelShape", "GiB",
            "SAVE_SHARD_BYTES", "KNOWN_TYPES", "dtype_bytes",
            "DEVICE_STATE_MARGIN_GIB", "DEVICE_STATE_FILL_MARGIN_GIB", "DEVICE_STATE_FILL_FRACTION"]

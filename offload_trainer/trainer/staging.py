@@ -46,27 +46,28 @@ def resolve_resume(trainer, run: RunState, resume):
     return None
 
 
-def _check_changes(trainer, run: RunState, checkpoint: str) -> None:
+def _state_and_step(checkpoint: str) -> tuple[dict, int | None]:
+    """A checkpoint's trainer_state.json and its global step ({}, None: missing or unreadable)."""
     try:
         with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-            step = int(json.load(f)["global_step"])
+            state = json.load(f)
+        return state, int(state["global_step"])
     except (OSError, ValueError, KeyError, TypeError):
-        step = None
+        return {}, None
+
+
+def _check_changes(trainer, run: RunState, checkpoint: str) -> None:
+    step = _state_and_step(checkpoint)[1]
     resume_changes.check(checkpoint, trainer.args, step, row_tokens(trainer, run), training_rows(trainer))
 
 
 def finished_at(args, checkpoint: str) -> int | None:
     """The checkpoint's step where it is the run's last (max_steps; or, by epochs, the total of the same run)."""
-    try:
-        with open(os.path.join(checkpoint, "trainer_state.json")) as f:
-            state = json.load(f)
-        step = int(state["global_step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    state, step = _state_and_step(checkpoint)
     target = args.max_steps
     if target <= 0 and state.get("num_train_epochs") == args.num_train_epochs:
         target = state.get("max_steps", 0)
-    return step if step == target else None  # (past it: resume_changes refuses)
+    return step if step is not None and step == target else None  # (past it: resume_changes refuses)
 
 
 def load_finished(trainer, checkpoint: str, step: int):
