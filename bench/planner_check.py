@@ -13,6 +13,7 @@ passes when not under the limit by more than the bound (shown as ">="), and its 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -82,7 +83,22 @@ CASES = [
      "offload_trainer_cli_noclip", 2048, "final"),
     ("Llama-3-70B QLoRA 1 x 2048, auto, 64 GB host", "2026-12-03-s56-host64.json", "20261203-s56b",
      "offload_trainer_cli", 2048, "final", "llama3-70b"),
+    # exact against speculative clipping, in one run each
+    ("Llama-3.1-8B 1 x 16384, exact clipping, auto", "2026-12-03-s58.json", "20261203-s58a", "offload_trainer_cli",
+     16384, "final"),
+    ("Llama-3.1-8B 1 x 16384, speculative, auto", "2026-12-03-s58.json", "20261203-s58a",
+     "offload_trainer_cli_speculative", 16384, "final"),
+    ("Llama-3.1-8B 1 x 32768, exact clipping, auto", "2026-12-03-s58.json", "20261203-s58b", "offload_trainer_cli",
+     32768, "final"),
+    ("Llama-3.1-8B 1 x 32768, speculative, auto", "2026-12-03-s58.json", "20261203-s58b",
+     "offload_trainer_cli_speculative", 32768, "final"),
 ]
+
+
+def ran_speculative(row: dict) -> bool:
+    """Whether the row's run clipped speculatively: the plan it recorded says, else (older rows) its system's name."""
+    recorded = (row.get("predicted") or {}).get("speculative_clipping")
+    return recorded if recorded is not None else row["system"].endswith("_speculative")
 
 
 def find_row(fname: str, run_id: str, system: str, seq: int, resident, model: str | None = None) -> dict:
@@ -101,8 +117,9 @@ def find_row(fname: str, run_id: str, system: str, seq: int, resident, model: st
     return rows[-1]
 
 
-def predict(row: dict, *counts) -> list[dict]:
-    """The plan of the row's command, at each of `counts` resident layers (None: the plan's own count)."""
+def predict(row: dict, *counts, clipping: str = "ran") -> list[dict]:
+    """The plan of the row's command, at each of `counts` resident layers (None: the plan's own count). `clipping`:
+    "ran" plans the clipping the row ran with, "planner" lets the planner choose it."""
     from offload_trainer.cli.config import load_config, parse_args
     from offload_trainer.models import architecture_config
     from offload_trainer.planner import plan_at_resident, plan_for_run
@@ -113,7 +130,9 @@ def predict(row: dict, *counts) -> list[dict]:
     keep = [o for o in overrides if not o.startswith(("output_dir=", "model_name_or_path=", "model_config=",
                                                       "layer_swap="))]
     model_args, data_args, args = parse_args(load_config(os.path.join(HERE, "..", config), keep))
-    settings = OffloadSettings.from_args(args)
+    # (the clipping the run had: the planner's choice between exact and speculative has changed since some rows)
+    settings = dataclasses.replace(OffloadSettings.from_args(args), speculative_clipping=ran_speculative(row)
+                                   if clipping == "ran" else None)
     cfg = architecture_config(row["model"] if not row["model"].startswith("/") else model_args.model_config)
     seq = data_args.max_seq_length
     # the switches the run's plan decided (on the held card), then that plan at each resident count the run ran with
@@ -122,7 +141,8 @@ def predict(row: dict, *counts) -> list[dict]:
     run_plan = plan_for_run(settings, cfg, seq, host_gb=host, gpu_gb=HELD_GIB, model_args=model_args)
     plans = {n: run_plan if n is None or n == run_plan.resident_layers else
              plan_at_resident(run_plan, settings, cfg, seq, n, model_args=model_args) for n in set(counts)}
-    return [dict(gpu=p.gpu_peak_gib, host=p.host_peak_gib, resident=p.resident_layers, layers=p.layers)
+    return [dict(gpu=p.gpu_peak_gib, host=p.host_peak_gib, resident=p.resident_layers, layers=p.layers, step=p.step_s,
+                 speculative=p.speculative_clipping, notes=p.notes)
             for p in map(plans.get, counts)]
 
 

@@ -216,17 +216,29 @@ def _time(x) -> None:
     # Launching chunk updates from Python competes with launching the step's own kernels; measured: hidden
     # on 8B at 8k tokens (1 s steps), not on 3B at 4k (0.25 s steps).
     x.t_cpu = x.n_chunks * m.cpu_s_per_chunk * max(0.0, 1 - t_micro / 1.1) if not x.lora else 0.0
+    x.t_beside = x.params / x.ranks * m.update_beside_s_per_param if not x.lora else 0.0
     if x.lora:
         step = t_compute
     elif x.clip and not x.spec:
         # the update waits for the global norm: after backward, states (and host gradients) cross PCIe -- and the
         # swapped layers, fetched for the forward that waits for their updates; only that forward (~1/4 of a
-        # micro-batch) overlaps them (8B at 12 GiB, 26 of 32 layers swapped: 1.685 s measured, 1.649 s by this)
+        # micro-batch) overlaps them (8B at 12 GiB, 26 of 32 layers swapped: 1.685 s measured, 1.649 s by this).
+        # The forward cannot start before its first unit, the input embedding, is updated (`_exact_restart`).
         post = (x.states + x.host_grads + x.swapped * x.layer_bytes) / (m.h2d_gb_s * 1e9)
-        step = t_compute + max(0.0, post - t_micro / 4) + x.t_cpu
+        step = t_compute + _exact_restart(x) + max(0.0, post - t_micro / 4) + x.t_cpu
     else:
-        step = t_micro * m.backward_inflation + (x.accum - 1) * t_micro + x.t_cpu
+        step = t_micro + x.t_beside + (x.accum - 1) * t_micro + x.t_cpu
     x.step = _with_copies(x, step)
+
+
+def _exact_restart(x) -> float:
+    """Exact clipping's pause between backward and the next forward: the host reads the norm, then the input
+    embedding (the forward's first unit, and the last gradient of backward) has its states and gradient brought over
+    PCIe and updated before the forward can use it -- unless its states stay on the GPU."""
+    if x.device_states >= STATE_BYTES_PER_VALUE * x.largest:  # (updated in place on the GPU, as native AdamW does)
+        return 0.0
+    first = (STATE_BYTES_PER_VALUE + (x.wb if x.og else 0)) * x.largest
+    return x.m.exact_restart_s + first / (x.m.h2d_gb_s * 1e9)
 
 
 def _with_copies(x, step: float) -> float:
@@ -240,8 +252,7 @@ def _with_copies(x, step: float) -> float:
         t_f, t_b = t_micro / 4, t_micro * 3 / 4
         g, st = x.host_grads / (m.h2d_gb_s * 1e9), x.states / (m.h2d_gb_s * 1e9)
         step = (x.accum - 1) * (t_f + max(t_b, g)) + x.t_cpu
-        step += t_f + max(t_b, g) + max(0.0, st + g - t_f) if x.clip else t_f + max(t_b * m.backward_inflation,
-                                                                                      g + st)
+        step += t_f + max(t_b, g) + max(0.0, st + g - t_f) if x.clip else t_f + max(t_b + x.t_beside, g + st)
     if x.act:
         step += x.accum * max(0.0, x.host_acts / (m.d2h_gb_s * 1e9) - t_micro / 4)  # copies beyond overlap
     copies_s = max(x.h2d / (m.h2d_gb_s * 1e9), x.d2h / (m.d2h_gb_s * 1e9))  # the busier direction

@@ -175,7 +175,12 @@ def _with_speculation(p: Plan, est, host_usable: float, host_gb: float | None, s
         p.notes.append(f"exact clipping: its step ({p.step_s:.2f} s) is as fast as speculative clipping's "
                        f"({e['step']:.2f} s) here: few states wait for PCIe after backward")
         return p
-    return dataclasses.replace(p, speculative_clipping=True, exact_step_s=p.step_s, **_predicted(e))
+    chosen = dataclasses.replace(p, speculative_clipping=True, exact_step_s=p.step_s, **_predicted(e))
+    if not speculative:  # (chosen, not asked for: say why)
+        chosen.notes.append(f"speculative clipping: its step ({e['step']:.2f} s, the clip not firing) is faster than "
+                            f"exact clipping's ({p.step_s:.2f} s: after backward the next forward waits for the "
+                            f"updates), for {(e['host'] - p.host_peak_gib * GiB) / GiB:.1f} GiB more host memory")
+    return chosen
 
 
 def _notes(p: Plan, e: dict, shape: ModelShape, weight_bytes: int) -> list[str]:

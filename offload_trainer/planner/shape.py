@@ -49,7 +49,15 @@ class Machine:
     # a data loader worker (forked: torch's pages shared with its parent): 0.18 GiB RSS of which 0.07 its share of the
     # shared pages and 0.01 its own, measured on 4 x 2048 batches; rounded up for larger batches and collators
     worker_gib: float = 0.2
-    backward_inflation: float = 1.08  # update kernels running beside backward slow it (8B: 1077 vs 980 ms)
+    # the update kernels running beside the compute stream's (backward's, or the next forward's) slow it by about a
+    # fixed time per updated value, not a share of the step: 8B spent 1.05-1.09 s a step at 4 x 2048 in six runs,
+    # 2.54 s at 16k and 6.15 s at 32k (speculative clipping, not firing), each within 2% of its compute plus 30 ms
+    update_beside_s_per_param: float = 3.7e-12
+    # exact clipping with streamed states: after backward the host reads the norm, then queues the updates, and the
+    # next forward waits for its first unit's (the input embedding's states and gradient over PCIe, then its update).
+    # At 32k, with no copy stall in the step, exact ran 62 ms a step slower than speculative clipping (s58b): 41 ms
+    # the embedding's copies at the rate above, this the rest
+    exact_restart_s: float = 0.02
     nf4_slowdown: float = 1.40  # bitsandbytes NF4 matmuls dequantize every weight each use (70B QLoRA: 2.38 s
     #                             measured vs 1.70 s at the bf16 rate)
 
