@@ -140,16 +140,26 @@ def test_integrations_bench_rows_for_the_command_and_trl(tmp_path):
            "OMP_NUM_THREADS": "2"}
     base, work, out = tmp_path / "base", tmp_path / "work", tmp_path / "rows.jsonl"
 
+    def started(*args):
+        return subprocess.Popen([sys.executable, bench, *map(str, args)], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    def finished(proc):
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        return stdout
+
     def bench_cmd(*args):
-        r = subprocess.run([sys.executable, bench, *map(str, args)], env=env, capture_output=True, text=True,
-                           timeout=600)
-        assert r.returncode == 0, r.stderr[-3000:]
-        return r.stdout
+        return finished(started(*args))
 
     bench_cmd("base", base, "--model", "tiny-llama")
     bench_cmd("prepare", base, work, "--seq", 48, "--batch", 2, "--steps", 3, "--cpu", "--model", "tiny-llama")
-    for tool in ("ours", "trl"):
-        bench_cmd("run", tool, work, "--out", out, "--skip", 1)
+    # the two tools side by side, each to its own rows file; the table reads both, ours first
+    runs = {tool: started("run", tool, work, "--out", tmp_path / f"{tool}.jsonl", "--skip", 1)
+            for tool in ("ours", "trl")}
+    for run in runs.values():
+        finished(run)
+    out.write_text("".join((tmp_path / f"{tool}.jsonl").read_text() for tool in runs))
     ours, trl = [json.loads(x) for x in out.read_text().splitlines()]
     assert (ours["system"], trl["system"]) == ("offload_trainer", "trl+offload_trainer")
     for r in (ours, trl):

@@ -141,10 +141,13 @@ def test_sigterm_saves_and_resumes(tmp_path):
     step = int(ckpt.name.split("-")[1])
     assert step >= 3
 
-    # resumed to step + 3 == an uninterrupted run of step + 3 steps (constant LR: same schedule)
-    finish(start(tmp_path, out, steps=step + 3, save=10_000, sched="constant", resume=True))
+    # resumed to step + 3 == an uninterrupted run of step + 3 steps (constant LR: same schedule); the two runs side by
+    # side (their own directories)
     ref = tmp_path / "ref"
-    finish(start(tmp_path, ref, steps=step + 3, save=10_000, sched="constant"))
+    runs = [start(tmp_path, out, steps=step + 3, save=10_000, sched="constant", resume=True),
+            start(tmp_path, ref, steps=step + 3, save=10_000, sched="constant")]
+    for run in runs:
+        finish(run)
     got = json.loads((out / "trainer_state.json").read_text())["log_history"]
     want = json.loads((ref / "trainer_state.json").read_text())["log_history"]
     assert [h["loss"] for h in got if "loss" in h] == [h["loss"] for h in want if "loss" in h]
