@@ -534,14 +534,18 @@ def test_predictions_are_within_the_bound_of_the_measured_peaks():
     assert not bad, bad
 
 
-@pytest.mark.parametrize("run,seq", [("20261203-s58a", 16384), ("20261203-s58b", 32768)])
-def test_the_clipping_path_chosen_is_the_one_measured_faster(run, seq):
+@pytest.mark.parametrize("run,seq,takes", [("20261203-s58a", 16384, True), ("20261203-s58b", 32768, False)])
+def test_speculative_clipping_where_it_was_measured_clearly_faster(run, seq, takes):
     """Llama-3.1-8B at 16k and 32k tokens on the held card (the 32k config), exact and speculative clipping each run
     in one device call (bench/results/2026-12-03-s58.json; the clip not firing): speculative measured 4.9% and 1.0%
-    faster. The planner, choosing for that run, takes speculative clipping, and predicts each path's step within 3% of
-    its measurement (the choice once went the other way: speculation's cost was a share of the step)."""
+    faster, for 15 GiB more host memory. The planner predicts each path's step within 3% of its measurement, and,
+    choosing for that run, takes speculative clipping at 16k; at 32k, whose gain is under SPECULATION_GAIN, it keeps
+    exact clipping's host peak and says so. (Speculation's cost was once modelled as a share of the step: exact
+    clipping was chosen at both.)"""
     import os
     import sys
+
+    from offload_trainer.planner.search import SPECULATION_GAIN
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
     import planner_check
@@ -549,15 +553,16 @@ def test_the_clipping_path_chosen_is_the_one_measured_faster(run, seq):
     rows = {name: planner_check.find_row("2026-12-03-s58.json", run, f"offload_trainer_cli{name}", seq, "final")
             for name in ("", "_speculative")}
     exact, spec = rows[""], rows["_speculative"]
-    assert spec["step_s_median"] < exact["step_s_median"]
+    gain = 1 - spec["step_s_median"] / exact["step_s_median"]
+    assert gain > 0 and (gain > SPECULATION_GAIN) == takes
     for row in (exact, spec):
         (p,) = planner_check.predict(row, row["extra"]["resident_layers"]["final"])
         assert p["speculative"] == (row is spec)
         assert p["step"] == pytest.approx(row["step_s_median"], rel=0.03)
     (own,) = planner_check.predict(exact, None, clipping="planner")  # the planner's own choice for the run
-    assert own["speculative"]
-    assert any(n.startswith("speculative clipping: its step") and "is faster than exact clipping's" in n
-               for n in own["notes"])  # the log says which and why
+    assert own["speculative"] == takes
+    said = "speculative clipping: its step" if takes else "exact clipping: speculative clipping's step"
+    assert any(n.startswith(said) for n in own["notes"]), own["notes"]  # the log says which and why
 
 
 def test_a_row_at_the_allocators_limit_bounds_the_prediction_from_below_only():
