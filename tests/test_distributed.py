@@ -207,11 +207,13 @@ def test_two_ranks_with_accumulation(tmp_path, mode):
     assert all(r["stats"]["reduce_bytes"] == steps * reductions * grad_bytes for r in ranks)
 
 
-def _losses(out) -> dict[int, float]:
-    import json
+def _history(out) -> list[dict]:
+    """The run's log history (trainer_state.json)."""
+    return json.loads((out / "trainer_state.json").read_text())["log_history"]
 
-    with open(out / "trainer_state.json") as f:
-        return {h["step"]: h["loss"] for h in json.load(f)["log_history"] if "loss" in h}
+
+def _losses(out) -> dict[int, float]:
+    return {h["step"]: h["loss"] for h in _history(out) if "loss" in h}
 
 
 KEYS = ["max_steps=6", "logging_steps=1", "save_steps=3", "per_device_train_batch_size=4", "eval_fraction=0",
@@ -252,7 +254,7 @@ def test_trainer_two_processes_match_one_and_resume(tmp_path):
                  "gradient_accumulation_steps=2"]) == 0
     want = _losses(one)
     assert _losses(two) == want and len(want) == 6
-    history = {d: json.loads((d / "trainer_state.json").read_text())["log_history"] for d in (two, one)}
+    history = {d: _history(d) for d in (two, one)}
     rates = [h["clip_rate"] for h in history[two] if "clip_rate" in h]
     assert rates and 0 < sum(rates) / len(rates) < 1, rates  # the clip fired on some steps: redone ones too
     assert [h["grad_norm"] for h in history[two] if "grad_norm" in h] == \

@@ -518,14 +518,21 @@ def test_exact_clipping_where_speculation_cannot_help(kw, why):
     assert not p.speculative_clipping and any(why in n for n in p.notes)
 
 
-def test_predictions_are_within_the_bound_of_the_measured_peaks():
-    """Every case of bench/planner_check.py (a measured row of bench/results and the resident layers it ran with):
-    the planner's GPU peak (reserved) and host peak within 5% or 0.5 GiB of the measurement."""
+def _planner_check():
+    """bench/planner_check.py (a script of bench/, imported from its folder)."""
     import os
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
     import planner_check
+
+    return planner_check
+
+
+def test_predictions_are_within_the_bound_of_the_measured_peaks():
+    """Every case of bench/planner_check.py (a measured row of bench/results and the resident layers it ran with):
+    the planner's GPU peak (reserved) and host peak within 5% or 0.5 GiB of the measurement."""
+    planner_check = _planner_check()
 
     cases = planner_check.table()
     assert len(cases) == len(planner_check.CASES) >= 9
@@ -542,13 +549,9 @@ def test_speculative_clipping_where_it_was_measured_clearly_faster(run, seq, tak
     choosing for that run, takes speculative clipping at 16k; at 32k, whose gain is under SPECULATION_GAIN, it keeps
     exact clipping's host peak and says so. (Speculation's cost was once modelled as a share of the step: exact
     clipping was chosen at both.)"""
-    import os
-    import sys
-
     from offload_trainer.planner.search import SPECULATION_GAIN
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-    import planner_check
+    planner_check = _planner_check()
 
     rows = {name: planner_check.find_row("2026-12-03-s58.json", run, f"offload_trainer_cli{name}", seq, "final")
             for name in ("", "_speculative")}
@@ -568,11 +571,7 @@ def test_speculative_clipping_where_it_was_measured_clearly_faster(run, seq, tak
 def test_a_row_at_the_allocators_limit_bounds_the_prediction_from_below_only():
     """A row whose allocator gave cached memory back held the whole budget: the need is at least what it reserved, so
     a prediction above passes and one under it by more than the bound fails (bench/planner_check.py)."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-    from planner_check import within
+    within = _planner_check().within
 
     assert within(25.15, 22.57, at_limit=True) and not within(25.15, 22.57)
     assert not within(19.37, 22.57, at_limit=True) and within(21.9, 22.57, at_limit=True)
