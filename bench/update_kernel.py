@@ -1,6 +1,6 @@
 """GPU time of one streamed 8-bit AdamW chunk update, in variants: where the update's GPU time goes.
 
-    python bench/update_kernel.py [--numel 25165824] [--iters 20] [--out rows.jsonl]
+    python bench/update_kernel.py [--numel 25165824] [--iters 20] [--beside] [--out rows.jsonl]
 
 The states are on the GPU already (no PCIe): this times only the update kernels, which share the GPU with backward
 when updates run during backward. (Older rows name some variants differently: bench/results/README.md, "The update
@@ -20,6 +20,11 @@ kernel alone".) Variants:
   torchao               torchao's single_param_adam on two OptimState8bit (what torchao AdamW8bit runs per tensor)
   torch_fused_bf16      torch._fused_adamw_ on bf16 weights and states (what the native rows run), for scale
 Prints one JSON line per variant: GPU ms per call, ps per element, CPU microseconds per call, kernels per call.
+`--beside`: also what the update costs the compute stream when it runs beside backward, as the streamed optimizer runs
+it (its own stream at high priority): 300 memory-bound elementwise kernels (`silu_backward` of an 8B MLP's 4 x 2048
+activations) timed alone and beside 3e9 values of updates; `beside_ps_per_element` is the compute stream's extra time
+per updated value. On the H200 the fused update cost the compute stream about its own time alone: the two share the
+SMs' issue slots, not only memory bandwidth (a plain copy of the same bytes cost 3.5 ps per value beside).
 """
 from __future__ import annotations
 
@@ -54,11 +59,43 @@ def int32_quant(*args):
     return adamw8bit_chunk(*args, quantize=quantize_8bit_i32)
 
 
+def _beside_bench(dev):
+    """fn, numel -> the compute stream's extra picoseconds per updated value, the updates on a high-priority stream
+    (as `engine.streams` makes it) beside 300 elementwise kernels; median of three."""
+    update_stream = torch.cuda.Stream(priority=-1)
+    x = torch.randn(8192, 14336, device=dev, dtype=torch.bfloat16)
+    y = torch.randn_like(x)
+
+    def timed(fn=None, calls=0):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        update_stream.wait_event(start)
+        with torch.cuda.stream(update_stream):
+            for _ in range(calls):
+                fn()
+        for _ in range(300):
+            torch.ops.aten.silu_backward(y, x)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    alone = sorted(timed() for _ in range(3))[1]
+
+    def beside(fn, numel):
+        calls = int(3e9 // numel)
+        with_updates = sorted(timed(fn, calls) for _ in range(3))[1]
+        return round((with_updates - alone) * 1e9 / (calls * numel), 2)
+
+    return beside
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--numel", type=int, default=3072 * 8192)  # a Llama-3.2-3B MLP weight
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--only", default=None, help="comma-separated variants")
+    ap.add_argument("--beside", action="store_true", help="also the cost to compute-stream work running beside")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     n, bs, dev = a.numel, 256, "cuda"
@@ -101,6 +138,7 @@ def main() -> None:
                                                         amsgrad=False, maximize=False),
     }
     wanted = a.only.split(",") if a.only else list(variants)
+    beside = _beside_bench(dev) if a.beside else None
     for name in wanted:
         fn = variants[name]
         try:
@@ -130,6 +168,7 @@ def main() -> None:
                 kernels[e.key[:70]] = round(e.device_time_total / 1e3, 3)
         row = {"variant": name, "numel": n, "ms_per_call": round(ms, 3), "ps_per_element": round(ms * 1e9 / n, 1),
                "cpu_us_per_call": round(cpu_us, 1),
+               **({"beside_ps_per_element": beside(fn, n)} if beside else {}),
                "kernel_ms": kernels, "commit": os.environ.get("COMMIT", "unknown"), "gpu": torch.cuda.get_device_name()}
         print(json.dumps(row), flush=True)
         if a.out:
