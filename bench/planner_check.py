@@ -92,6 +92,10 @@ CASES = [
      32768, "final"),
     ("Llama-3.1-8B 1 x 32768, speculative, auto", "2026-12-03-s58.json", "20261203-s58b",
      "offload_trainer_cli_speculative", 32768, "final"),
+    # the config as it is (clip 1.0), beside both references
+    ("Llama-3.1-8B 1 x 32768, auto", "2026-12-03-s59.json", "20261203-s59d", "offload_trainer_cli", 32768, "final"),
+    ("Llama-3.1-8B 1 x 65536, tiled MLP, auto", "2026-12-03-s59.json", "20261203-s59c", "offload_trainer_cli", 65536,
+     "final"),
 ]
 
 
