@@ -14,11 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import finish_row, machine  # noqa: E402
+from rows import finish_row, machine
 
 
 def expected_speed(fired: list[bool], speculative: float, exact: float) -> float:

@@ -223,7 +223,7 @@ def run_tool(tool: str, work: str) -> None:
 
 def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str | None, skip: int) -> dict:
     import torch
-    from step_bench import allocator_counts, machine
+    from rows import allocator_counts, machine
 
     from offload_trainer.sysinfo import peak_rss_gib
 

@@ -14,13 +14,11 @@ import argparse
 import gc
 import os
 import shutil
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import finish_row, machine  # noqa: E402
+from rows import finish_row, machine
 
 
 def main() -> None:

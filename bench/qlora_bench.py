@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import finish_row, gpu_idle_ms, machine, swap_extra, timed  # noqa: E402
+from rows import finish_row, gpu_idle_ms, machine, swap_extra, timed
 
 
 def main() -> None:

@@ -21,14 +21,13 @@ import json
 import logging
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from step_bench import allocator_counts, cprofile_top, finish_row, machine, predicted, profile_summary  # noqa: E402
-from transformers import TrainerCallback  # noqa: E402
+from transformers import TrainerCallback
+
+from rows import allocator_counts, cprofile_top, finish_row, machine, predicted, profile_summary
 
 
 class ProfileSteps(TrainerCallback):
