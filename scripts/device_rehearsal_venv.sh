@@ -7,7 +7,7 @@
 #   PYVER=3.11 bash scripts/device_wheels.sh axolotl llamafactory      # -> /tmp/whl3.11-TOOL (Python 3.11 builds)
 #   cp -r /tmp/whl3.11-axolotl .whl-axolotl; ...; and a .gpu/hold_gpu_memory.py that prints READY and sleeps
 #   PATH=$PWD/.venv-device/bin:$PATH CPU=1 MODEL=tiny-llama QLORA=tiny-llama SEQ=64 BATCH=2 STEPS=4 \
-#     bash bench/integrations.sh rows.jsonl "ours axolotl ours-qlora axolotl-qlora"
+#     bash bench/runs/integrations.sh rows.jsonl "ours axolotl ours-qlora axolotl-qlora"
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 python3 -m venv .venv-device

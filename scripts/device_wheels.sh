@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Wheels that bench/integrations.py needs on the GPU machine, beyond what its image holds (torch 2.11, transformers
+# Wheels that bench/rows/integrations.py needs on the GPU machine, beyond what its image holds (torch 2.11, transformers
 # 5.17, peft, accelerate, numpy, pandas, pyarrow, torchaudio...; no network there). One folder per tool, since axolotl
 # and LLaMA-Factory each pin their own transformers / peft / trl / datasets: the device installs each with
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-TOOL .whl-TOOL/*.whl
 # and runs that tool with /tmp/site-TOOL first on PYTHONPATH, then /tmp/site (.whl: torchao 0.18, datasets, ...: the
 # engine runs on the same torchao under every tool). The lists are each tool's pins (scripts/*_venv.sh) closed over
 # their requirements as pip resolved them against the device's packages, less what a rehearsal on a CPU (a venv of the
-# device's versions, bench/integrations.py run TOOL) showed the training path never imports: axolotl's services
+# device's versions, bench/rows/integrations.py run TOOL) showed the training path never imports: axolotl's services
 # (gradio, modal, cloud filesystems, lm_eval), GPU-only extras (xformers, liger, fla), hf_transfer, langdetect, optimum.
 # axolotl runs on the device's transformers 5.17 (its pin is 5.16.1; rehearsed); LLaMA-Factory 0.9.5 does not (it calls
 # gradient checkpointing with an argument 5.17 dropped), so its transformers 5.6.0 travels. Carried to the device, a

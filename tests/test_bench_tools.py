@@ -1,4 +1,4 @@
-"""The benchmark's trace analysis (bench/trace_gaps.py) on a hand-made trace with known gaps."""
+"""The benchmark's trace analysis (bench/analysis/trace_gaps.py) on a hand-made trace with known gaps."""
 import gzip
 import json
 import sys
@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path[:0] = [str(BENCH / "analysis"), str(BENCH / "rows")]  # (scripts of bench/, imported from their folders)
 
 import trace_gaps  # noqa: E402
 
@@ -129,13 +130,13 @@ def test_trainer_bench_takes_logs_at_one_interval_only():
 
 @pytest.mark.slow
 def test_integrations_bench_rows_for_the_command_and_trl(tmp_path):
-    """bench/integrations.py end to end on a CPU for the two tools this environment has: the command and TRL's
+    """bench/rows/integrations.py end to end on a CPU for the two tools this environment has: the command and TRL's
     OffloadSFTTrainer read the same chat records with the same template and seed, so each step trains the same tokens
     (every row truncated to the step's length) and the losses are equal; the rows carry what the table compares."""
     import os
     import subprocess
 
-    bench = str(Path(__file__).resolve().parents[1] / "bench" / "integrations.py")
+    bench = str(BENCH / "rows" / "integrations.py")
     env = {**os.environ, "TORCHDYNAMO_DISABLE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "OMP_NUM_THREADS": "2"}
     base, work, out = tmp_path / "base", tmp_path / "work", tmp_path / "rows.jsonl"
@@ -248,3 +249,24 @@ def test_trainer_bench_stock_runs_the_plain_trainer_with_the_commands_logs(tmp_p
     assert isinstance(trainer, made[0]) and not isinstance(trainer, OffloadMixin)
     assert type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer) \
         is torch.optim.AdamW
+
+
+def test_every_bench_path_named_exists_and_every_script_is_in_bench_readme():
+    """bench/ is grouped by kind (runs, rows, mechanisms, analysis): the commands and prose that tell how to run it
+    (READMEs, docs, scripts, configs, tests and bench/ itself) name files that exist, and bench/README.md lists every
+    script."""
+    import re
+    import subprocess
+
+    root = BENCH.parent
+    tracked = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
+    if not tracked:
+        pytest.skip("not a git checkout")
+    texts = [p for p in tracked if p.split("/")[0] in ("bench", "docs", "scripts", "configs", "tests", "README.md")
+             and p.endswith((".md", ".py", ".sh", ".yaml", ".ipynb")) and not p.startswith("bench/results/20")]
+    # (a path under another root, such as `$root/bench/...` of an older checkout, is not this checkout's)
+    named = {m for p in texts for m in re.findall(r"(?<![\w/.$-])bench/[\w/]+\.(?:py|sh)\b", (root / p).read_text())}
+    assert len(named) > 20 and {n for n in named if not (root / n).is_file()} == set()
+    scripts = {p.removeprefix("bench/") for p in tracked if p.startswith("bench/") and p.endswith((".py", ".sh"))}
+    listed = (BENCH / "README.md").read_text()
+    assert {s for s in scripts if f"`{s}`" not in listed} == set()

@@ -217,7 +217,7 @@ def test_a_head_read_without_its_forward_is_updated_before_the_last_unit_that_ru
 
 
 def test_the_guard_changes_nothing_on_finite_gradients():
-    """`guard=False` (torchao's update, measured by bench/update_kernel.py) is the same arithmetic."""
+    """`guard=False` (torchao's update, measured by bench/mechanisms/update_kernel.py) is the same arithmetic."""
     from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
 
     from offload_trainer.engine.optim import adamw8bit_chunk

@@ -306,7 +306,7 @@ def test_qlora_70b_prediction_matches_the_h200_run():
     """Run 20261130-qloraC: 12 of 80 layers resident at 24 GiB measured 18.17 GiB reserved, 30.07 GiB host,
     27.96 GiB pinned (the step time is calibrated on the uncapped run, so it is not checked here). That bare loop
     built the base on the GPU; the command builds it layer by layer in CPU memory first, and its host peak is that
-    load: 34.78 GiB measured through the command (run s33c, bench/planner_check.py)."""
+    load: 34.78 GiB measured through the command (run s33c, bench/analysis/planner_check.py)."""
     cfg = architecture_config("llama3-70b")
     lora = ModelShape.from_config(cfg).lora_params(16)
     p = plan(cfg, batch=1, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0, layer_swap=12, lora_params=lora,
@@ -519,18 +519,18 @@ def test_exact_clipping_where_speculation_cannot_help(kw, why):
 
 
 def _planner_check():
-    """bench/planner_check.py (a script of bench/, imported from its folder)."""
+    """bench/analysis/planner_check.py (a script of bench/, imported from its folder)."""
     import os
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench", "analysis"))
     import planner_check
 
     return planner_check
 
 
 def test_predictions_are_within_the_bound_of_the_measured_peaks():
-    """Every case of bench/planner_check.py (a measured row of bench/results and the resident layers it ran with):
+    """Every case of bench/analysis/planner_check.py (a measured row of bench/results and the resident layers it ran with):
     the planner's GPU peak (reserved) and host peak within 5% or 0.5 GiB of the measurement."""
     planner_check = _planner_check()
 
@@ -570,7 +570,7 @@ def test_speculative_clipping_where_it_was_measured_clearly_faster(run, seq, tak
 
 def test_a_row_at_the_allocators_limit_bounds_the_prediction_from_below_only():
     """A row whose allocator gave cached memory back held the whole budget: the need is at least what it reserved, so
-    a prediction above passes and one under it by more than the bound fails (bench/planner_check.py)."""
+    a prediction above passes and one under it by more than the bound fails (bench/analysis/planner_check.py)."""
     within = _planner_check().within
 
     assert within(25.15, 22.57, at_limit=True) and not within(25.15, 22.57)

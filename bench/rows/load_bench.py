@@ -1,6 +1,6 @@
 """Loading a pretrained NF4 base bigger than the GPU, layer by layer (`pretrained_4bit_layerwise`).
 
-    python bench/load_bench.py [--model llama3-8b] [--cap 5] [--resident 2] [--out rows.jsonl]
+    python bench/rows/load_bench.py [--model llama3-8b] [--cap 5] [--resident 2] [--out rows.jsonl]
 
 Writes a random-init bf16 checkpoint of the shape (safetensors shards, as transformers saves them) to --dir,
 loads it with transformers' own 4-bit loading onto the uncapped GPU (the reference: it quantizes everything
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from rows import finish_row, machine
+from row_helpers import finish_row, machine
 
 
 def main() -> None:

@@ -2,9 +2,9 @@
 (`--impl old`: the hand-written reader of an earlier commit, Python lists in memory) and after (`--impl new`:
 `datasets`, memory-mapped Arrow, cached).
 
-    python bench/data_bench.py make --mb 1000 --out /tmp/chat-1g.jsonl
-    python bench/data_bench.py run --path /tmp/chat-1g.jsonl --impl new --num-proc 2   # one JSON row on stdout
-    python bench/data_bench.py all --mb 100 1000 --old-mb 100 --rows bench/results/<date>-data.json
+    python bench/mechanisms/data_bench.py make --mb 1000 --out /tmp/chat-1g.jsonl
+    python bench/mechanisms/data_bench.py run --path /tmp/chat-1g.jsonl --impl new --num-proc 2   # one JSON row on stdout
+    python bench/mechanisms/data_bench.py all --mb 100 1000 --old-mb 100 --rows bench/results/<date>-data.json
 
 Each measurement runs in a process of its own (`all` starts them), so its peak RSS (VmHWM) is its own; `new` runs
 twice on the same file, the second time from the cache. The tokenizer is the built-in one (512 tokens: about 3
@@ -76,7 +76,7 @@ def old_module():
     import importlib.util
 
     src = subprocess.run(["git", "show", f"{OLD_COMMIT}:offload_trainer/data.py"], capture_output=True, text=True,
-                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))).stdout
+                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))).stdout
     path = os.path.join(tempfile.mkdtemp(), "old_data.py")
     with open(path, "w") as f:
         f.write(src)

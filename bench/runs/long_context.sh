@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Long context through `offload-trainer train` on a held 24 GB card, against native in the same device run:
-#   bash bench/long_context.sh OUT.jsonl "16384 32768 65536" [key=value ...]
+#   bash bench/runs/long_context.sh OUT.jsonl "16384 32768 65536" [key=value ...]
 # Native rows first, while the card is free: the same command and data with every switch off, uncapped, torchao's
 # AdamW8bit on the GPU (`native_8bit`: fp32 AdamW states of an 8B model beside 64k tokens of activations pass even an
 # H200). Then .gpu/hold_gpu_memory.py holds all but 23.5 GiB and each length runs as configured (SPECS: one run per
@@ -15,18 +15,18 @@ steps() { if [ "$1" -ge 65536 ]; then echo 6; elif [ "$1" -ge 32768 ]; then echo
 if [ -z "${NO_NATIVE:-}" ]; then
   for s in $lengths; do
     echo "=== native_8bit $s ($(date +%T))"
-    timeout "${ROW_TIMEOUT:-240}" python3 bench/trainer_bench.py "$config" max_seq_length="$s" gpu_memory_limit_gb= \
+    timeout "${ROW_TIMEOUT:-240}" python3 bench/rows/trainer_bench.py "$config" max_seq_length="$s" gpu_memory_limit_gb= \
       offload_optimizer=false optim=adamw_torch_8bit layer_swap=off activation_offload=false max_steps="$(steps "$s")" \
       output_dir=/tmp/long_native "$@" --skip 3 --system native_8bit --out "$out" || echo "row failed: native $s (rc $?)"
     rm -rf /tmp/long_native
   done
 fi
-. bench/hold_card.sh && hold_card
+. bench/runs/hold_card.sh && hold_card
 # one held row: ours LENGTH [key=value ...] (the config's run at that length with the keys set)
 ours() {
   local s=$1; shift
   echo "=== $s $* ($(date +%T))"
-  timeout "${ROW_TIMEOUT:-240}" python3 bench/trainer_bench.py "$config" max_seq_length="$s" gpu_memory_limit_gb= \
+  timeout "${ROW_TIMEOUT:-240}" python3 bench/rows/trainer_bench.py "$config" max_seq_length="$s" gpu_memory_limit_gb= \
     max_steps="$(steps "$s")" output_dir=/tmp/long_ours "$@" "${extra[@]}" --skip 3 --out "$out" ||
     echo "row failed: $s $* (rc $?)"
   rm -rf /tmp/long_ours

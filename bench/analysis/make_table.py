@@ -1,6 +1,6 @@
 """Markdown table of benchmark rows, with throughput as a ratio to the native row of the same run and shape.
 
-    python bench/make_table.py bench/results/*.json > bench/results/README.md
+    python bench/analysis/make_table.py bench/results/*.json > bench/results/README.md
 """
 import json
 import sys

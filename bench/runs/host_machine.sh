@@ -2,10 +2,10 @@
 # The user's machine held for real: the card held to 24 GB and the host to LEAVE GiB available (57: a 64 GB machine),
 # configs run through `offload-trainer train`, against natives in the same device run.
 #   NATIVES="native llama3-8b 4 2048;native_8bit qwen2.5-14b 8 2048" \
-#     bash bench/host_machine.sh OUT.jsonl 57 "configs/llama3-8b-full-24gb.yaml" "configs/x.yaml max_seq_length=65536" ...
-# Natives first (bench/step_bench.py, the bare loop, on the uncapped card: "SYSTEM MODEL BATCH SEQ", ';' between),
+#     bash bench/runs/host_machine.sh OUT.jsonl 57 "configs/llama3-8b-full-24gb.yaml" "configs/x.yaml max_seq_length=65536" ...
+# Natives first (bench/rows/step_bench.py, the bare loop, on the uncapped card: "SYSTEM MODEL BATCH SEQ", ';' between),
 # then both holds and one row per spec (a config and its key=value overrides). Each row gets extra.host_available_min_gib
-# (the least MemAvailable while it ran, bench/host_watch.py) and extra.host_hold_alive (the kernel's OOM killer picks
+# (the least MemAvailable while it ran, bench/runs/host_watch.py) and extra.host_hold_alive (the kernel's OOM killer picks
 # the largest process, which may be the hold: a row that passed the budget then looks fine, and this says it did not).
 # A row the plan refuses ends with the exit code in `error` and the sentence in this script's output.
 set -u
@@ -15,16 +15,16 @@ IFS=';' read -r -a natives <<< "${NATIVES:-}"
 for n in "${natives[@]}"; do
   read -r sys model bs seq <<< "$n"
   echo "=== $sys $model $bs x $seq ($(date +%T))"
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${ROW_TIMEOUT:-200}" python3 bench/step_bench.py "$sys" \
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${ROW_TIMEOUT:-200}" python3 bench/rows/step_bench.py "$sys" \
     "$model" --bs "$bs" --seq "$seq" --steps "${NATIVE_STEPS:-6}" --out "$out" || echo "row failed: $sys $model (rc $?)"
 done
-. bench/hold_card.sh && hold_card && hold_host "$leave"
+. bench/runs/hold_card.sh && hold_card && hold_host "$leave"
 for spec in "$@"; do
   read -r -a words <<< "$spec"
   echo "=== ${words[*]} ($(date +%T))"
   before=$(cat "$out" 2>/dev/null | wc -l)
-  python3 bench/host_watch.py /tmp/host_low & watch=$!
-  timeout "${ROW_TIMEOUT:-240}" python3 bench/trainer_bench.py "${words[@]}" gpu_memory_limit_gb= \
+  python3 bench/runs/host_watch.py /tmp/host_low & watch=$!
+  timeout "${ROW_TIMEOUT:-240}" python3 bench/rows/trainer_bench.py "${words[@]}" gpu_memory_limit_gb= \
     output_dir=/tmp/host_row --skip "${SKIP:-2}" --out "$out"
   rc=$?; kill $watch; rm -rf /tmp/host_row
   alive=true; kill -0 "$host_hold" 2>/dev/null || alive=false

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The step's time budget of one case, on the device: the bare loop (`native`), the stock Trainer (`trainer_native`)
-# and `offload-trainer train` each profiled in one device run, then bench/budget.py on the traces.
-#   bash bench/budget.sh OUTDIR "noclip clip" [key=value ...]
+# and `offload-trainer train` each profiled in one device run, then bench/analysis/budget.py on the traces.
+#   bash bench/runs/budget.sh OUTDIR "noclip clip" [key=value ...]
 # Natives first, while the card is free (uncapped, fused fp32 AdamW: NATIVE=native_8bit for shapes whose fp32 states
 # do not fit); then .gpu/hold_gpu_memory.py holds all but 23.5 GiB and the command runs the config as it is. Modes:
 # noclip (max_grad_norm 0 everywhere) and clip (the natives clip at 1.0; ours at 1000: speculative, the clip never
@@ -18,23 +18,23 @@ clipkey() { [ "$1" = clip ] && echo "max_grad_norm=$2" || echo "max_grad_norm=0"
 for m in $modes; do
   sys=$native; [ "$m" = clip ] && sys=${native}_clip
   echo "=== $sys ($(date +%T))"
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${ROW_TIMEOUT:-200}" python3 bench/step_bench.py "$sys" \
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${ROW_TIMEOUT:-200}" python3 bench/rows/step_bench.py "$sys" \
     "$model" --bs "$bs" --seq "$seq" --steps 6 --profile-steps 3 --trace "$dir/$sys.json.gz" --out "$out" ||
     echo "row failed: $sys (rc $?)"
   echo "=== trainer_native $m ($(date +%T))"
-  timeout "${ROW_TIMEOUT:-200}" python3 bench/trainer_bench.py "$config" --stock offload_optimizer=false optim="$optim" \
+  timeout "${ROW_TIMEOUT:-200}" python3 bench/rows/trainer_bench.py "$config" --stock offload_optimizer=false optim="$optim" \
     gpu_memory_limit_gb= layer_swap=off activation_offload=false "$(clipkey "$m" 1.0)" max_steps=$steps \
     output_dir=/tmp/budget_out "$@" "${prof[@]}" --trace "$dir/trainer_native_$m.json.gz" --out "$out" ||
     echo "row failed: trainer_native $m (rc $?)"
   rm -rf /tmp/budget_out
 done
-. bench/hold_card.sh && hold_card
+. bench/runs/hold_card.sh && hold_card
 for m in $modes; do
   echo "=== ours $m ($(date +%T))"
-  timeout "${ROW_TIMEOUT:-200}" python3 bench/trainer_bench.py "$config" gpu_memory_limit_gb= "$(clipkey "$m" 1000)" \
+  timeout "${ROW_TIMEOUT:-200}" python3 bench/rows/trainer_bench.py "$config" gpu_memory_limit_gb= "$(clipkey "$m" 1000)" \
     max_steps=$steps output_dir=/tmp/budget_out "$@" "${prof[@]}" --trace "$dir/ours_$m.json.gz" --out "$out" ||
     echo "row failed: ours $m (rc $?)"
   rm -rf /tmp/budget_out
 done
 kill $hold
-python3 bench/budget.py "$out" --traces "$dir" --json "$dir/budget.json"
+python3 bench/analysis/budget.py "$out" --traces "$dir" --json "$dir/budget.json"

@@ -1,6 +1,6 @@
 """One training-step benchmark row: a random-init model shape, one system, on one GPU.
 
-    python bench/step_bench.py SYSTEM MODEL [--bs 4] [--seq 2048] [--cap 24] [--steps 6] [--out rows.jsonl]
+    python bench/rows/step_bench.py SYSTEM MODEL [--bs 4] [--seq 2048] [--cap 24] [--steps 6] [--out rows.jsonl]
 
 SYSTEM:
   native               all on the GPU, torch fused AdamW, full-logits loss (no cap)
@@ -19,7 +19,7 @@ auto asks the planner. The model is built on the GPU before the cap is set, then
 pinned host memory and the peak counters are reset: what a user gets by loading on the CPU, faster to set up.
 Every system runs in its own process (run_all.sh), so caps and allocator state do not leak between rows.
 
-Data parallel: launch with `torchrun --nproc_per_node N bench/step_bench.py offload_trainer...`; each rank
+Data parallel: launch with `torchrun --nproc_per_node N bench/rows/step_bench.py offload_trainer...`; each rank
 takes its own micro-batches of the step (`--accum` per rank) and owns a shard of the optimizer states
 (distributed.py). Batches are drawn from a generator seeded by the step, so a 1-process run with
 `--accum N` sees exactly the micro-batches of an N-process run with `--accum 1` (the loss-match check).
@@ -38,7 +38,7 @@ import time
 import torch
 
 from offload_trainer.sysinfo import peak_rss_gib
-from rows import allocator_counts, cprofile_top, finish_row, gpu_idle_ms, machine, predicted, swap_extra, timed
+from row_helpers import allocator_counts, cprofile_top, finish_row, gpu_idle_ms, machine, predicted, swap_extra, timed
 
 
 def main() -> None:

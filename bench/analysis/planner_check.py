@@ -2,7 +2,7 @@
 with), the plan the command makes for that run -- its config and overrides, on the held 24 GB card's budget -- at that
 resident count, beside the row's measured GPU peak (reserved) and host peak.
 
-    python bench/planner_check.py            # the table, and the worst error against the bound
+    python bench/analysis/planner_check.py            # the table, and the worst error against the bound
 
 For a `layer_swap: auto` row (resident "final") the host peak is also predicted at the count the run started with,
 and the larger taken: the measured host peak is a high-water mark, and the start pinned the most layers.
@@ -19,7 +19,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS = os.path.join(HERE, "results")
+RESULTS = os.path.join(HERE, "..", "results")
 HELD_GIB = 23.2879  # what the planner saw of the held card (hold_gpu_memory.py 23.5, the CUDA context taken)
 HOST_GIB = 125.0  # the device machine's RAM
 
@@ -68,7 +68,7 @@ CASES = [
     ("Llama-3.1-8B 1 x 16384, auto", "2026-12-03-s48.json", "20261203-s48b", "offload_trainer_cli", 16384, "final"),
     ("Llama-3.1-8B 1 x 16384, layer_swap 23", "2026-12-03-s48.json", "20261203-s48b", "offload_trainer_cli", 16384,
      23),
-    # the host held to 57 GiB available too (a 64 GB machine: bench/host_machine.sh)
+    # the host held to 57 GiB available too (a 64 GB machine: bench/runs/host_machine.sh)
     ("Llama-3-8B 4 x 2048, speculative, 64 GB host", "2026-12-03-s56-host64.json", "20261203-s56a",
      "offload_trainer_cli_speculative", 2048, None),
     ("Qwen2.5-14B 8 x 2048, auto, 64 GB host", "2026-12-03-s56-host64.json", "20261203-s56a",
@@ -133,7 +133,7 @@ def predict(row: dict, *counts, clipping: str = "ran") -> list[dict]:
     # (a pinned count is asked for below: the plan search itself refuses a count it predicts not to fit)
     keep = [o for o in overrides if not o.startswith(("output_dir=", "model_name_or_path=", "model_config=",
                                                       "layer_swap="))]
-    model_args, data_args, args = parse_args(load_config(os.path.join(HERE, "..", config), keep))
+    model_args, data_args, args = parse_args(load_config(os.path.join(HERE, "..", "..", config), keep))
     # (the clipping the run had: the planner's choice between exact and speculative has changed since some rows)
     settings = dataclasses.replace(OffloadSettings.from_args(args), speculative_clipping=ran_speculative(row)
                                    if clipping == "ran" else None)
@@ -190,5 +190,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.join(HERE, ".."))
+    sys.path.insert(0, os.path.join(HERE, "..", ".."))
     main()

@@ -1,7 +1,7 @@
 """The product path, timed: `offload-trainer train CONFIG [key=value ...]` in this process (CLI -> planner ->
 OffloadTrainer -> HF Trainer's loop), then one row in the format of ../shared/reference/RESULTS.md from its logs.
 
-    python bench/trainer_bench.py configs/llama3-8b-full-24gb.yaml max_steps=10 --out rows.jsonl
+    python bench/rows/trainer_bench.py configs/llama3-8b-full-24gb.yaml max_steps=10 --out rows.jsonl
 
 step_bench.py times the mechanisms in a bare loop; this times what a user runs: the Trainer's data loader,
 logging (every step with `logging_steps: 1`) and the allocator as the user gets it (this script sets no
@@ -27,14 +27,14 @@ import torch
 
 from transformers import TrainerCallback
 
-from rows import allocator_counts, cprofile_top, finish_row, machine, predicted, profile_summary
+from row_helpers import allocator_counts, cprofile_top, finish_row, machine, predicted, profile_summary
 
 
 class ProfileSteps(TrainerCallback):
     """Profile `steps` optimizer steps of the Trainer's loop from step `first` on (CPU ops, and CUDA kernels and
     copies where there is a GPU), as step_bench.py profiles its bare loop: `summary` holds the same figures
-    (compute-stream idle time, each stream's busy time, top CPU ops); `trace` is written for bench/trace_gaps.py and
-    bench/budget.py. The window runs from one step's beginning to the beginning of the step `steps` later, so each
+    (compute-stream idle time, each stream's busy time, top CPU ops); `trace` is written for bench/analysis/trace_gaps.py and
+    bench/analysis/budget.py. The window runs from one step's beginning to the beginning of the step `steps` later, so each
     profiled step brings its whole period: its log (with its syncs) and the next batch's loading included."""
 
     def __init__(self, first: int, steps: int, trace: str | None = None):

@@ -3,11 +3,11 @@ through `offload-trainer train`, TRL's `OffloadSFTTrainer` (assistant_only_loss)
 `axolotl train` runs) and LLaMA-Factory through our launcher. Each tool runs in this process, which only listens:
 every log the Trainer writes is kept (with the allocator's peak at that moment), and the row is made from them.
 
-    python bench/integrations.py base BASE_DIR --model llama3-8b     # random-init checkpoint + chat tokenizer
-    python bench/integrations.py prepare BASE_DIR WORK [--seq 2048 --batch 4 --steps 10]
-    python bench/integrations.py run TOOL WORK --out rows.jsonl      # TOOL: ours, trl, axolotl, llamafactory,
+    python bench/rows/integrations.py base BASE_DIR --model llama3-8b     # random-init checkpoint + chat tokenizer
+    python bench/rows/integrations.py prepare BASE_DIR WORK [--seq 2048 --batch 4 --steps 10]
+    python bench/rows/integrations.py run TOOL WORK --out rows.jsonl      # TOOL: ours, trl, axolotl, llamafactory,
                                                                      # ours-qlora, axolotl-qlora (prepare --qlora-base)
-    python bench/integrations.py table rows.jsonl                    # each tool against `ours`
+    python bench/rows/integrations.py table rows.jsonl                    # each tool against `ours`
 
 The same settings everywhere, named in each tool's own keys: the step (batch x seq, every row truncated to seq, so
 every tool trains the same tokens per step), bf16 weights, gradient checkpointing, learning rate, seed, logging every
@@ -26,8 +26,6 @@ import os
 import statistics
 import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # axolotl's own memory logs (its log() resets the allocator's peaks after reading them)
 AXOLOTL_ALLOC, AXOLOTL_RESERVED = "memory/max_allocated (GiB)", "memory/device_reserved (GiB)"
@@ -223,7 +221,7 @@ def run_tool(tool: str, work: str) -> None:
 
 def make_row(tool: str, work: str, logs: list[dict], wall_s: float, error: str | None, skip: int) -> dict:
     import torch
-    from rows import allocator_counts, machine
+    from row_helpers import allocator_counts, machine
 
     from offload_trainer.sysinfo import peak_rss_gib
 

@@ -1,9 +1,9 @@
 """Where the fused 8-bit update's GPU time goes: the kernel of `engine/optim/kernel.py` rebuilt with switches that
 change or remove one part each, timed alone and beside compute-stream work (device; ~90 s):
 
-    python bench/update_kernel_parts.py > rows.jsonl
+    python bench/mechanisms/update_kernel_parts.py > rows.jsonl
 
-Each variant runs on one 25M-value chunk (states on the GPU) and, as `bench/update_kernel.py --beside` does, on a
+Each variant runs on one 25M-value chunk (states on the GPU) and, as `bench/mechanisms/update_kernel.py --beside` does, on a
 high-priority stream beside 300 `silu_backward` kernels: `extra_ps_per_update_el` is what each updated value cost the
 compute stream. Variants that keep the update's results are checked equal to the production kernel's (p, g, codes,
 scales: the count of values that differ); the others are bounds, not updates:

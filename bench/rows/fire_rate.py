@@ -3,8 +3,8 @@ then finetuned on another text (the built-in prompt/completion pairs) at a finet
 `offload-trainer train`; the finetune logs its gradient norm at every step. Or, with `--config`, any config (e.g.
 configs/smollm2-135m-sft.yaml, the real SmolLM2-135M-Instruct) run once with a log per step.
 
-    python bench/fire_rate.py --out rows.jsonl [--hidden 512 --layers 8 --pretrain-steps 400 --finetune-steps 200]
-    python bench/fire_rate.py --config configs/smollm2-135m-sft.yaml --out rows.jsonl
+    python bench/rows/fire_rate.py --out rows.jsonl [--hidden 512 --layers 8 --pretrain-steps 400 --finetune-steps 200]
+    python bench/rows/fire_rate.py --config configs/smollm2-135m-sft.yaml --out rows.jsonl
 
 One row: the norms, and the share of steps with a norm above max_grad_norm, over all steps and after the first
 `--settle` (speculative clipping redoes those: the expected throughput is the never-clipping one / (1 + rate)).
@@ -16,7 +16,7 @@ import json
 import os
 import time
 
-from rows import finish_row, machine
+from row_helpers import finish_row, machine
 
 
 def expected_speed(fired: list[bool], speculative: float, exact: float) -> float:

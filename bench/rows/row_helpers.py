@@ -1,7 +1,7 @@
 """The helpers every benchmark row shares: the machine, the planner's prediction, peaks and where the row goes,
 a profiled step's summary and trace, the allocator's counters, layer swap's figures (step_bench.py, trainer_bench.py,
-qlora_bench.py, load_bench.py, fire_rate.py, integrations.py). Scripts in bench/ import it by name: Python puts a
-script's folder first on its path."""
+qlora_bench.py, load_bench.py, fire_rate.py, integrations.py: the scripts of this folder, which import it by name,
+Python putting a script's folder first on its path)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ from offload_trainer.sysinfo import peak_rss_gib
 
 def gpu_idle_ms(step_fn, trace: str | None = None, steps: int = 1) -> dict:
     """Profile one step: time the compute stream sat idle (wall time minus the union of its kernels).
-    `trace`: also write the step's events, compactly, to this gzipped JSON file (read by bench/trace_gaps.py).
+    `trace`: also write the step's events, compactly, to this gzipped JSON file (read by bench/analysis/trace_gaps.py).
     `steps` > 1: profile that many steps back to back, as `window` runs them (the loss read after each, one device
     sync at the end), so what one step overlaps with the next shows; figures are per step."""
     from torch.profiler import ProfilerActivity, profile
@@ -35,7 +35,7 @@ def gpu_idle_ms(step_fn, trace: str | None = None, steps: int = 1) -> dict:
 def profile_summary(prof, wall: float, steps: int = 1, trace: str | None = None) -> dict:
     """What `gpu_idle_ms` reports, from a finished `torch.profiler.profile` of `steps` steps that took `wall` seconds
     each: the compute stream's idle time (wall minus the union of its kernels), each stream's busy time, the top CPU
-    ops; `trace`: the events, written for bench/trace_gaps.py."""
+    ops; `trace`: the events, written for bench/analysis/trace_gaps.py."""
     from torch.autograd import DeviceType
 
     events = list(prof.profiler.kineto_results.events())
@@ -75,7 +75,7 @@ def profile_summary(prof, wall: float, steps: int = 1, trace: str | None = None)
 
 def _activity(e) -> str:
     """kineto's activity type (`kernel`, `gpu_memcpy`, `cuda_runtime`, `cpu_op`, `gpu_user_annotation`...); told from
-    the device and name where torch does not expose it (2.11: bench/trace_gaps.py tells annotations by name)."""
+    the device and name where torch does not expose it (2.11: bench/analysis/trace_gaps.py tells annotations by name)."""
     if hasattr(e, "activity_type"):
         return str(e.activity_type())
     if getattr(e, "is_user_annotation", lambda: False)() and e.device_type() != torch.autograd.DeviceType.CPU:

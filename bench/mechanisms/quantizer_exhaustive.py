@@ -1,7 +1,7 @@
 """Every float32 in [-1, 1], both of torchao's 8-bit maps: the fused kernel's two-lookup quantizer
 (`update_kernel.quantize_with_table`) against torchao's `quantize_8bit_with_qmap`. Prints the mismatch counts.
 
-    python bench/quantizer_exhaustive.py      # ~20 min on one CPU core; run 2026-11-30 at 0bd893b: [0, 0]
+    python bench/mechanisms/quantizer_exhaustive.py      # ~20 min on one CPU core; run 2026-11-30 at 0bd893b: [0, 0]
 """
 import time
 

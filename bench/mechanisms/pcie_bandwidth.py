@@ -2,7 +2,7 @@
 the package can pin them: cudaHostRegister on a plain allocation (streams.pinned_empty) and PyTorch's caching host
 allocator (pin_memory=True).
 
-    python bench/pcie_bandwidth.py [--gib 2] [--reps 5]
+    python bench/mechanisms/pcie_bandwidth.py [--gib 2] [--reps 5]
 """
 import argparse
 import json

@@ -3,7 +3,7 @@
 Trains the tiny Llama on the built-in corpus three ways from the same init and data order and reports the
 held-out loss (CPU is enough: this measures arithmetic, not speed).
 
-    python bench/master_weights.py [--steps 150] [--lr 1e-4]
+    python bench/mechanisms/master_weights.py [--steps 150] [--lr 1e-4]
 """
 import argparse
 import json

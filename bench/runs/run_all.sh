@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run several step_bench.py rows in one GPU session (one process each) and collect them in one file.
-#   bash bench/run_all.sh OUTFILE "SYSTEM MODEL [opts]" ...
+#   bash bench/runs/run_all.sh OUTFILE "SYSTEM MODEL [opts]" ...
 # Rows share RUN_ID, so ratios are taken inside one run. LAUNCH="torchrun --standalone --nproc_per_node 2"
 # runs each row data-parallel (the default launcher is python3).
 set -u
@@ -11,5 +11,5 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 for spec in "$@"; do
   echo "=== $spec ($(date +%T))"
   # shellcheck disable=SC2086
-  timeout "${ROW_TIMEOUT:-240}" ${LAUNCH:-python3} bench/step_bench.py $spec --out "$out" || echo "row failed: $spec (rc $?)"
+  timeout "${ROW_TIMEOUT:-240}" ${LAUNCH:-python3} bench/rows/step_bench.py $spec --out "$out" || echo "row failed: $spec (rc $?)"
 done

@@ -1,7 +1,7 @@
 """The step's time budget: where each millisecond of a profiled step goes, per system, and where ours differs from
 the natives of the same device run.
 
-    python bench/budget.py ROWS.jsonl [--md] [--json OUT.json]
+    python bench/analysis/budget.py ROWS.jsonl [--md] [--json OUT.json]
 
 ROWS holds rows of one device run written with a trace (`step_bench.py ... --trace T --profile-steps N`,
 `trainer_bench.py ... --profile-steps N --trace T`: the row's `extra.trace` names it). Each traced row's step (the
@@ -31,11 +31,9 @@ import bisect
 import json
 import os
 import re
-import sys
 from collections import defaultdict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from trace_gaps import _role, compute_gaps, load, merged, nest  # noqa: E402
+from trace_gaps import _role, compute_gaps, load, merged, nest
 
 FAMILIES = (  # (the first that matches a compute-stream kernel's name names its family)
     ("optimizer update", re.compile(r"adamw8bit|FusedOptimizer|FusedAdam|_update8bit", re.I)),

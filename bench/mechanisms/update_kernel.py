@@ -1,6 +1,6 @@
 """GPU time of one streamed 8-bit AdamW chunk update, in variants: where the update's GPU time goes.
 
-    python bench/update_kernel.py [--numel 25165824] [--iters 20] [--beside] [--out rows.jsonl]
+    python bench/mechanisms/update_kernel.py [--numel 25165824] [--iters 20] [--beside] [--out rows.jsonl]
 
 The states are on the GPU already (no PCIe): this times only the update kernels, which share the GPU with backward
 when updates run during backward. (Older rows name some variants differently: bench/results/README.md, "The update
