@@ -2,7 +2,8 @@
 for other streams, and what the CPU was doing meanwhile.
 
     python bench/analysis/trace_gaps.py TRACE.json.gz [--top 15] [--bin-ms 5]
-    python bench/analysis/trace_gaps.py TRACE.json.gz --against OTHER.json.gz   (the compute streams' kernels, side by side)
+    python bench/analysis/trace_gaps.py TRACE.json.gz --against OTHER.json.gz   # the compute streams' kernels,
+                                                                                 # side by side
 
 TRACE is written by `step_bench.py --trace` (one profiled step). For every idle gap of the compute stream (the
 stream that launches the most kernels), the kernel that ends it was launched by the CPU at some moment: the part

@@ -3,7 +3,7 @@
 `datasets`, memory-mapped Arrow, cached).
 
     python bench/mechanisms/data_bench.py make --mb 1000 --out /tmp/chat-1g.jsonl
-    python bench/mechanisms/data_bench.py run --path /tmp/chat-1g.jsonl --impl new --num-proc 2   # one JSON row on stdout
+    python bench/mechanisms/data_bench.py run --path /tmp/chat-1g.jsonl --impl new --num-proc 2   # one JSON row
     python bench/mechanisms/data_bench.py all --mb 100 1000 --old-mb 100 --rows bench/results/<date>-data.json
 
 Each measurement runs in a process of its own (`all` starts them), so its peak RSS (VmHWM) is its own; `new` runs
@@ -75,8 +75,9 @@ def old_module():
     """data.py as of OLD_COMMIT, imported inside the package (its relative imports resolve)."""
     import importlib.util
 
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
     src = subprocess.run(["git", "show", f"{OLD_COMMIT}:offload_trainer/data.py"], capture_output=True, text=True,
-                         check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))).stdout
+                         check=True, cwd=root).stdout
     path = os.path.join(tempfile.mkdtemp(), "old_data.py")
     with open(path, "w") as f:
         f.write(src)

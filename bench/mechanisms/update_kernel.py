@@ -59,33 +59,41 @@ def int32_quant(*args):
     return adamw8bit_chunk(*args, quantize=quantize_8bit_i32)
 
 
-def _beside_bench(dev):
-    """fn, numel -> the compute stream's extra picoseconds per updated value, the updates on a high-priority stream
-    (as `engine.streams` makes it) beside 300 elementwise kernels; median of three."""
+def beside_bench(dev):
+    """fn, numel -> what the updates cost 300 elementwise kernels on the compute stream when they run beside them on a
+    high-priority stream (as `engine.streams` makes it), 3e9 values of them: the compute stream's extra picoseconds
+    per updated value, both spans, and whether the updates finished before the elementwise kernels did (else the
+    figure holds the updates' own tail); median of three."""
     update_stream = torch.cuda.Stream(priority=-1)
     x = torch.randn(8192, 14336, device=dev, dtype=torch.bfloat16)
     y = torch.randn_like(x)
 
     def timed(fn=None, calls=0):
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end, first, last = (torch.cuda.Event(enable_timing=True) for _ in range(4))
         start.record()
         update_stream.wait_event(start)
         with torch.cuda.stream(update_stream):
+            first.record()
             for _ in range(calls):
                 fn()
+            last.record()
         for _ in range(300):
             torch.ops.aten.silu_backward(y, x)
         end.record()
         torch.cuda.synchronize()
-        return start.elapsed_time(end)
+        return start.elapsed_time(end), first.elapsed_time(last)
 
-    alone = sorted(timed() for _ in range(3))[1]
+    timed()  # (warm-up)
+    alone = sorted(timed()[0] for _ in range(3))[1]
 
     def beside(fn, numel):
         calls = int(3e9 // numel)
-        with_updates = sorted(timed(fn, calls) for _ in range(3))[1]
-        return round((with_updates - alone) * 1e9 / (calls * numel), 2)
+        timed(fn, calls)
+        with_updates, span = sorted(timed(fn, calls) for _ in range(3))[1]
+        return {"beside_ps_per_element": round((with_updates - alone) * 1e9 / (calls * numel), 2),
+                "elementwise_alone_ms": round(alone, 2), "elementwise_beside_ms": round(with_updates, 2),
+                "update_span_beside_ms": round(span, 2), "update_finished_inside": span < with_updates}
 
     return beside
 
@@ -138,7 +146,7 @@ def main() -> None:
                                                         amsgrad=False, maximize=False),
     }
     wanted = a.only.split(",") if a.only else list(variants)
-    beside = _beside_bench(dev) if a.beside else None
+    beside = beside_bench(dev) if a.beside else None
     for name in wanted:
         fn = variants[name]
         try:
@@ -168,7 +176,7 @@ def main() -> None:
                 kernels[e.key[:70]] = round(e.device_time_total / 1e3, 3)
         row = {"variant": name, "numel": n, "ms_per_call": round(ms, 3), "ps_per_element": round(ms * 1e9 / n, 1),
                "cpu_us_per_call": round(cpu_us, 1),
-               **({"beside_ps_per_element": beside(fn, n)} if beside else {}),
+               **(beside(fn, n) if beside else {}),
                "kernel_ms": kernels, "commit": os.environ.get("COMMIT", "unknown"), "gpu": torch.cuda.get_device_name()}
         print(json.dumps(row), flush=True)
         if a.out:

@@ -3,8 +3,8 @@ change or remove one part each, timed alone and beside compute-stream work (devi
 
     python bench/mechanisms/update_kernel_parts.py > rows.jsonl
 
-Each variant runs on one 25M-value chunk (states on the GPU) and, as `bench/mechanisms/update_kernel.py --beside` does, on a
-high-priority stream beside 300 `silu_backward` kernels: `extra_ps_per_update_el` is what each updated value cost the
+Each variant runs on one 25M-value chunk (states on the GPU) and, through `update_kernel.py --beside`'s measure, on a
+high-priority stream beside 300 `silu_backward` kernels: `beside_ps_per_element` is what each updated value cost the
 compute stream. Variants that keep the update's results are checked equal to the production kernel's (p, g, codes,
 scales: the count of values that differ); the others are bounds, not updates:
   prod                  offload_trainer's kernel as it is
@@ -20,13 +20,14 @@ scales: the count of values that differ); the others are bounds, not updates:
   copy                  the same bytes read and written, no arithmetic
 """
 import json
-import os
 
 import torch
 import triton
 import triton.language as tl
+from update_kernel import beside_bench
+
 from offload_trainer.engine.optim import kernel as uk
-from offload_trainer.engine.optim.kernel import _round_bf16, _div, _fma, _random16, _quantize
+from offload_trainer.engine.optim.kernel import _div, _fma, _quantize, _random16, _round_bf16
 
 
 @triton.jit
@@ -200,7 +201,8 @@ class Var:
         self.s, self.u = s.to(dev), u.to(dev)
         self.pk = [packed_table(s).to(dev), packed_table(u).to(dev)]
         self.kw = dict(ROWS=rows, SR=sr, EAGER=eager, PACKED=packed, FAKE_Q=fake_q, FAKE_DQ=fake_dq, RAND8=rand8,
-                       COPY=copy, GATHER_DQ=gather_dq, RECIP=recip, PERSIST=persist > 0, NS=ns, num_warps=num_warps, enable_fp_fusion=not eager)
+                       COPY=copy, GATHER_DQ=gather_dq, RECIP=recip, PERSIST=persist > 0, NS=ns, num_warps=num_warps,
+                       enable_fp_fusion=not eager)
         self.rows, self.seed, self.persist = rows, seed, persist
 
     def __call__(self, p, g, codes, scales, counter=0):
@@ -278,47 +280,17 @@ def main():
         e0.record()
         for _ in range(20):
             fn(p, g, c, s)
-        e1.record(); torch.cuda.synchronize()
+        e1.record()
+        torch.cuda.synchronize()
         res[name] = e0.elapsed_time(e1) / 20
-        print(json.dumps({"variant": name, "ms_per_25M": round(res[name], 4), "ps_per_el": round(res[name] * 1e9 / n, 2)}), flush=True)
-    # beside compute-stream work
-    upd = torch.cuda.Stream(priority=-1)
-    x = torch.randn(8192, 14336, device=dev, dtype=torch.bfloat16)
-    y = torch.randn_like(x)
-
-    def elementwise():
-        for _ in range(300):
-            torch.ops.aten.silu_backward(y, x)
-
-    def timed(work, fn=None, chunks=0):
-        torch.cuda.synchronize()
-        c0_, c1_ = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        u0, u1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        c0_.record()
-        upd.wait_event(c0_)
-        if fn is not None:
-            with torch.cuda.stream(upd):
-                u0.record()
-                for _ in range(chunks):
-                    fn(p, g, c, s)
-                u1.record()
-        work()
-        c1_.record()
-        torch.cuda.synchronize()
-        return c0_.elapsed_time(c1_), (u0.elapsed_time(u1) if fn is not None else 0.0)
-
-    for wname, work in (("elementwise", elementwise),):
-        timed(work); base = sorted(timed(work)[0] for _ in range(3))[1]
-        for name, fn in variants.items():
-            chunks = 120  # 3.0e9 values
-            timed(work, fn, chunks)
-            runs = sorted(timed(work, fn, chunks) for _ in range(3))
-            t, tu = runs[1]
-            print(json.dumps({"beside": wname, "variant": name, "work_alone_ms": round(base, 2), "work_beside_ms": round(t, 2),
-                              "update_span_ms": round(tu, 2), "update_alone_ms": round(res[name] * chunks, 2),
-                              "extra_ps_per_update_el": round((t - base) * 1e9 / (chunks * n), 2),
-                              "update_finished_inside": tu < t}), flush=True)
-
+        ms = res[name]
+        print(json.dumps({"variant": name, "ms_per_25M": round(ms, 4), "ps_per_el": round(ms * 1e9 / n, 2)}), flush=True)
+    # beside compute-stream work, as update_kernel.py --beside measures it
+    beside = beside_bench(dev)
+    for name, fn in variants.items():
+        row = beside(lambda: fn(p, g, c, s), n)
+        print(json.dumps({"beside": "elementwise", "variant": name, **row,
+                          "update_alone_ms": round(res[name] * int(3e9 // n), 2)}), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 """QLoRA step benchmark on a big random-init shape: bitsandbytes NF4 base, LoRA on every linear layer.
 
-    python bench/rows/qlora_bench.py [--model llama3-70b] [--bs 1] [--seq 2048] [--cap 24] [--resident N] [--out rows.jsonl]
+    python bench/rows/qlora_bench.py [--model llama3-70b] [--bs 1] [--seq 2048] [--cap 24] [--resident N]
+                                     [--out rows.jsonl]
 
 The base model is built on the meta device and materialised one decoder layer at a time on the GPU (random
 bf16 weights, quantized to NF4 there), so a 70B shape never needs 140 GB anywhere. With --resident N, the

@@ -75,7 +75,8 @@ def profile_summary(prof, wall: float, steps: int = 1, trace: str | None = None)
 
 def _activity(e) -> str:
     """kineto's activity type (`kernel`, `gpu_memcpy`, `cuda_runtime`, `cpu_op`, `gpu_user_annotation`...); told from
-    the device and name where torch does not expose it (2.11: bench/analysis/trace_gaps.py tells annotations by name)."""
+    the device and name where torch does not expose it (2.11: bench/analysis/trace_gaps.py tells annotations by
+    name)."""
     if hasattr(e, "activity_type"):
         return str(e.activity_type())
     if getattr(e, "is_user_annotation", lambda: False)() and e.device_type() != torch.autograd.DeviceType.CPU:

@@ -33,9 +33,10 @@ from row_helpers import allocator_counts, cprofile_top, finish_row, machine, pre
 class ProfileSteps(TrainerCallback):
     """Profile `steps` optimizer steps of the Trainer's loop from step `first` on (CPU ops, and CUDA kernels and
     copies where there is a GPU), as step_bench.py profiles its bare loop: `summary` holds the same figures
-    (compute-stream idle time, each stream's busy time, top CPU ops); `trace` is written for bench/analysis/trace_gaps.py and
-    bench/analysis/budget.py. The window runs from one step's beginning to the beginning of the step `steps` later, so each
-    profiled step brings its whole period: its log (with its syncs) and the next batch's loading included."""
+    (compute-stream idle time, each stream's busy time, top CPU ops); `trace` is written for
+    bench/analysis/trace_gaps.py and bench/analysis/budget.py. The window runs from one step's beginning to the
+    beginning of the step `steps` later, so each profiled step brings its whole period: its log (with its syncs) and
+    the next batch's loading included."""
 
     def __init__(self, first: int, steps: int, trace: str | None = None):
         self.first, self.steps, self.trace = first, steps, trace

@@ -530,8 +530,8 @@ def _planner_check():
 
 
 def test_predictions_are_within_the_bound_of_the_measured_peaks():
-    """Every case of bench/analysis/planner_check.py (a measured row of bench/results and the resident layers it ran with):
-    the planner's GPU peak (reserved) and host peak within 5% or 0.5 GiB of the measurement."""
+    """Every case of bench/analysis/planner_check.py (a measured row of bench/results and the resident layers it ran
+    with): the planner's GPU peak (reserved) and host peak within 5% or 0.5 GiB of the measurement."""
     planner_check = _planner_check()
 
     cases = planner_check.table()
