@@ -117,6 +117,7 @@ class OffloadSettings:
     speculative_clipping: bool | None = None
     activation_offload: bool | None = None
     tiled_mlp: bool | None = None
+    tiled_layers: bool | None = None
     chunk_numel: int = CHUNK_NUMEL
     inflight_chunks: int = INFLIGHT_CHUNKS
     fused_update: bool | None = None
@@ -166,6 +167,9 @@ class OffloadSettings:
         if self.tiled_mlp and not self.checkpointing:
             raise ValueError("tiled_mlp recomputes each MLP tile in backward, which gradient checkpointing's recompute "
                              "feeds: set activation_checkpointing: true as well")
+        if self.tiled_layers and not self.checkpointing:
+            raise ValueError("tiled_layers recomputes each tile of a decoder layer in backward, which gradient "
+                             "checkpointing's recompute feeds: set activation_checkpointing: true as well")
         if self.layer_swap is not False and not self.checkpointing:
             raise ValueError("layer_swap fetches each swapped layer again for its recompute in backward: set "
                              "activation_checkpointing: true as well")
@@ -204,6 +208,7 @@ class OffloadSettings:
             speculative_clipping=get("speculative_clipping", None),
             activation_offload=get("activation_offload", None),
             tiled_mlp=get("tiled_mlp", None),
+            tiled_layers=get("tiled_layers", None),
             chunk_numel=get("offload_chunk_numel", CHUNK_NUMEL),
             inflight_chunks=get("offload_inflight_chunks", INFLIGHT_CHUNKS),
             fused_update=get("offload_fused_update", None),

@@ -20,7 +20,7 @@ def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool
              resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
              block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1, fused_update: bool = True,
              device_states: float = 0, save_shard: int = 0, wb: int = 2, speculative: bool = False,
-             tiled: bool = False, workers: int = 0) -> dict:
+             tiled: bool = False, tiled_layers: bool = False, workers: int = 0) -> dict:
     """Memory of one micro-batch of `batch` x `seq` tokens; traffic and time of one optimizer step of `accum`
     micro-batches. Data parallel over `ranks` processes (`node_ranks` of them on this host): each holds 1/ranks of
     the states; GPU figures are per process, host figures per node. `device_states`: bytes of 8-bit states kept on
@@ -28,7 +28,8 @@ def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool
     gradients, activations: 2 for bf16, 4 for float32); the 8-bit states are 2 bytes per value whatever it is.
     `speculative` (with `clip`): speculative clipping, on the steps whose clip does not fire (a redone step runs its
     micro-batches twice); the GPU must also hold exact clipping's step, which it falls back to. `tiled`: each MLP in
-    tiles of `MLP_TILE_TOKENS` positions (engine/tiled_mlp.py). `workers`: the data loader's worker processes
+    tiles of `MLP_TILE_TOKENS` positions (engine/tiled_mlp.py); `tiled_layers`: each decoder layer but its attention
+    so (models/tiled_layers.py). `workers`: the data loader's worker processes
     (each process's)."""
     L = shape.layers
     x = SimpleNamespace(shape=shape, params=params, batch=batch, seq=seq, clip=clip, og=offload_gradients,
@@ -36,7 +37,8 @@ def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool
                         m=machine, swap_slots=swap_slots, lora=lora, weight_bits=weight_bits, block=block, accum=accum,
                         ranks=ranks, node_ranks=node_ranks, fused_update=fused_update, device_states=device_states,
                         save_shard=save_shard, wb=wb, T=batch * seq, swapped=L - (L if resident is None else resident),
-                        spec=speculative and clip and not lora, tiled=tiled, workers=workers)
+                        spec=speculative and clip and not lora, tiled=tiled or tiled_layers,
+                        tiled_layers=tiled_layers, workers=workers)
     _weights(x)
     _gpu_held(x)
     _gpu_phase(x)
@@ -103,6 +105,12 @@ def _gpu_phase(x) -> None:
     # 5 more: measured 8B at 64k tokens, 2.6 GiB over the untiled count)
     layer_ws = ((15 if x.tiled else 10) * T * h + 6 * x.mlp_T * inter) * wb + (
         4 * 3 * h * inter if x.tiled and not x.lora else 0)
+    if x.tiled_layers:
+        # whole-sequence tensors left: the input, q/k/v, the attention's output and their gradients, and attention's
+        # backward workspace; the two tiles' intermediates; every weight's gradient summed over the tiles in float32.
+        # Fitted to a two-layer 8B stack's backward peak at 64k and 128k tokens (probe on the H200: 3.5 and 8.5 GiB
+        # under the tiled MLP's)
+        layer_ws = (5 * T * h + 12 * x.mlp_T * inter) * wb + (4 * s.layer_params if not x.lora else 0)
     if x.weight_bits == 4:
         layer_ws += 2 * h * inter  # the largest weight, dequantized for its matmul
     if s.cross_layers:
@@ -206,6 +214,8 @@ def _time(x) -> None:
     flops += 16 * s.cross_layers * x.T * s.cross_tokens * s.hidden  # + cross-attention to the image (fwd x2, bwd)
     # tiled MLP: each MLP's forward once more, in backward (not on one big GPU, which needs no tiles)
     tiled_flops = 2 * 3 * s.hidden * s.intermediate * x.T * (s.layers - s.moe_layers) if x.tiled else 0
+    if x.tiled_layers:  # (and the projections: the whole layer's linear weights once more)
+        tiled_flops = 2 * (s.layer_params - 2 * s.hidden) * x.T * s.layers
     slowdown = m.nf4_slowdown if x.weight_bits == 4 else 1.0
     x.t_native = x.accum * flops / m.train_flops * slowdown + (16 * x.params / 4.0e12 if not x.lora else 0.0)  # AdamW:
     # ~16 B/param at ~4 TB/s

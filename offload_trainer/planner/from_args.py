@@ -83,6 +83,7 @@ def plan_for_run(settings: OffloadSettings, config, seq: int, *, host_gb: float 
                 max_grad_norm=s.max_grad_norm, loss_chunk=s.loss_chunk_size, chunk_numel=s.chunk_numel,
                 inflight=s.inflight_chunks, fused_update=s.fused_update is not False, device_states=s.device_states,
                 activation_offload=left_to_plan(s.activation_offload), tiled_mlp=left_to_plan(s.tiled_mlp),
+                tiled_layers=left_to_plan(s.tiled_layers),
                 offload_gradients=left_to_plan(s.offload_gradients),
                 speculative=left_to_plan(s.speculative_clipping), layer_swap=s.layer_swap, lora_params=lora,
                 weight_bits=bits, accum=s.accumulation, ranks=ranks or 1, node_ranks=node_ranks,
@@ -112,6 +113,7 @@ def plan_at_resident(plan: Plan, settings: OffloadSettings, config, seq: int, re
     that count (layer_swap auto moves layers after measuring)."""
     fixed = dataclasses.replace(settings, gpu_memory_limit_gb=None, layer_swap=resident,
                                 activation_offload=plan.activation_offload, offload_gradients=plan.offload_gradients,
-                                tiled_mlp=plan.tiled_mlp, speculative_clipping=plan.speculative_clipping,
+                                tiled_mlp=plan.tiled_mlp,
+                                tiled_layers=plan.tiled_layers, speculative_clipping=plan.speculative_clipping,
                                 device_states=plan.device_state_gib)
     return plan_for_run(fixed, config, seq, host_gb=plan.host_budget_gib, model_args=model_args)

@@ -27,6 +27,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
          lora_params: int = 0, weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
          fused_update: bool = True, device_states: str | float = 0, save_shard_bytes: int = 0,
          weight_bytes: int = 2, speculative: bool | None = None, tiled_mlp: bool | None = False,
+         tiled_layers: bool | None = False,
          workers: int = 0, host_budget_source: str = "", machine: Machine = Machine()) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch).
 
@@ -46,6 +47,8 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     `speculative`: speculative clipping (with `max_grad_norm`): None takes it where it is faster and the host budget
     has room (`_with_speculation`); True insists; False clips exactly.
     `tiled_mlp`: each MLP in tiles (engine/tiled_mlp.py); None takes it only where no plan fits without it.
+    `tiled_layers`: each decoder layer but its attention in tiles (models/tiled_layers.py, its MLP included); None
+    takes it only where no plan fits with tiled MLPs, and for the layers it knows (`ModelShape.tileable`).
     `workers`: the data loader's worker processes (host memory). `host_budget_source`: what `host_memory_gb` is,
     for the table ("host_memory_limit_gb", "available on this machine").
 
@@ -75,13 +78,14 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
             return gpu_usable
         return gpu_usable - AUTO_SWAP_START_MARGIN_GIB * GiB - AUTO_SWAP_START_WORKING_SHARE * e["working"]
     tried, gpu_fits = [], []  # every plan tried; whether each fit the GPU
-    tilings = [False, True] if tiled_mlp is None and seq > MLP_TILE_TOKENS else [bool(tiled_mlp)]
-    for switches in (dict(s, tiled=tiled) for tiled in tilings for s in _candidates(
+    for switches in (dict(s, tiled=mlp, tiled_layers=layers) for mlp, layers in _tilings(
+            tiled_mlp, tiled_layers, seq, shape) for s in _candidates(
             shape.layers, layer_swap, activation_offload, offload_gradients, clip=clip, accum=accum,
             lora=bool(lora_params), gpu_fits=gpu_fits)):
         e = est(batch=batch, seq=seq, **switches)
         p = Plan(offload_gradients=switches["offload_gradients"], activation_offload=switches["activation_offload"],
-                 resident_layers=switches["resident"], tiled_mlp=switches["tiled"], **base, **_predicted(e))
+                 resident_layers=switches["resident"], tiled_mlp=switches["tiled"],
+                 tiled_layers=switches["tiled_layers"], **base, **_predicted(e))
         # (none resident: no fewer to start from, so the plan that fits the budget itself runs and is measured)
         usable = gpu_usable if switches["resident"] in (shape.layers, 0) else swap_usable(e)
         gpu_fits.append(e["reserved"] <= usable)
@@ -101,6 +105,17 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
     advice = _advice(tried, est, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb, machine,
                      weight_bytes, host_budget_source)
     raise (HostPlanError if any(gpu_fits) else PlanError)(advice)
+
+
+def _tilings(mlp: bool | None, layers: bool | None, seq: int, shape: ModelShape) -> list[tuple[bool, bool]]:
+    """The (tiled MLP, tiled layers) pairs to try, lightest first: each tiling only where the plans without it do
+    not fit, and only past one tile's tokens. A tiled layer tiles its MLP with it."""
+    if seq <= MLP_TILE_TOKENS:
+        return [(bool(mlp), bool(layers))]
+    mlps = [False, True] if mlp is None else [mlp]
+    if layers is None:
+        return [(m, False) for m in mlps] + ([(True, True)] if shape.tileable else [])
+    return [(True, True)] if layers else [(m, False) for m in mlps]
 
 
 def _candidates(layers: int, layer_swap, activation_offload, offload_gradients, *, clip: bool, accum: int,
@@ -261,7 +276,7 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
     best = min(tried, key=lambda p: p.gpu_peak_gib)
     same_switches = functools.partial(estimate, offload_gradients=best.offload_gradients,
                                       activation_offload=best.activation_offload, resident=best.resident_layers,
-                                      tiled=best.tiled_mlp)
+                                      tiled=best.tiled_mlp, tiled_layers=best.tiled_layers)
     msgs = []
     if best.gpu_peak_gib * GiB > gpu_usable:
         fixed = same_switches(batch=1, seq=8)
@@ -269,7 +284,8 @@ def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
                     f"{gpu_usable / GiB:.1f} GiB for PyTorch.")
         swap_helps = best.resident_layers == best.layers and estimate(
             batch=batch, seq=seq, offload_gradients=best.offload_gradients,
-            activation_offload=best.activation_offload, resident=0, tiled=best.tiled_mlp)["reserved"] <= gpu_usable
+            activation_offload=best.activation_offload, resident=0, tiled=best.tiled_mlp,
+            tiled_layers=best.tiled_layers)["reserved"] <= gpu_usable
         if swap_helps:
             msgs.append("Swapping decoder layers through pinned CPU memory fits: layer_swap: auto "
                         "(the planner keeps as many layers on the GPU as fit).")

@@ -69,6 +69,8 @@ class UnknownArchitecture(PlanError, TypeError):
 # model_type -> what differs from a Llama layer; a config-like object without a model_type is planned as a Llama
 KNOWN_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "mllama",
                "mllama_text_model"}
+# model_types whose decoder layers models/tiled_layers.py tiles (a config without one is planned as a Llama)
+TILEABLE_TYPES = {None, "llama", "qwen2", "qwen3"}
 
 
 @dataclass
@@ -95,6 +97,7 @@ class ModelShape:
     expert_intermediate: int = 0
     shared_intermediate: int = 0  # Qwen2-MoE's shared expert (and its gate), 0 without one
     moe_layers: int = 0  # layers whose MLP is the experts (the others are dense, of `intermediate`)
+    tileable: bool = False  # decoder layers that models/tiled_layers.py tiles (TILED_LAYER_CLASSES)
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShape":
@@ -113,6 +116,7 @@ class ModelShape:
                    head_dim=getattr(text, "head_dim", None) or 0,
                    cross_layers=len(getattr(text, "cross_attention_layers", None) or ()),
                    extra_embeddings=8 if kind == "mllama_text_model" else 0,
+                   tileable=kind in TILEABLE_TYPES and vision is None,
                    **_experts(text, kind), **(_mllama_vision(vision, text.hidden_size) if vision is not None else {}))
 
     @property

@@ -24,6 +24,7 @@ class Plan:
     ranks: int = 1  # data parallel processes sharing the optimizer states
     resident_layers: int = 0  # decoder layers kept on the GPU; the others are swapped (layer_swap)
     tiled_mlp: bool = False  # each MLP run in tiles of MLP_TILE_TOKENS tokens, recomputed in backward
+    tiled_layers: bool = False  # each decoder layer but its attention run so (models/tiled_layers.py)
     device_state_gib: float = 0.0  # 8-bit states kept on the GPU (the first tensors: the input embedding)
     device_states_scope: str = ""  # whose ('auto'): "embedding" (the input embedding's), "first" (and the next), "all"
     speculative_clipping: bool = False  # clip: updates during backward, a step that clips rolled back and redone
@@ -91,7 +92,9 @@ class Plan:
             ]
         rows += [
             ("activations", ("layer inputs in pinned CPU memory" if self.activation_offload else "on the GPU")
-             + (f"; each MLP in tiles of {MLP_TILE_TOKENS} tokens, recomputed in backward" if self.tiled_mlp else "")),
+             + (f"; each decoder layer but its attention in tiles of {MLP_TILE_TOKENS} tokens, recomputed in backward"
+                if self.tiled_layers else
+                f"; each MLP in tiles of {MLP_TILE_TOKENS} tokens, recomputed in backward" if self.tiled_mlp else "")),
             ("decoder layers", f"all {self.layers} on the GPU" if self.resident_layers == self.layers else
              f"{self.resident_layers} of {self.layers} on the GPU, {self.layers - self.resident_layers} swapped "
              f"from pinned CPU memory"),

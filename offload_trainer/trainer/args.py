@@ -172,6 +172,16 @@ class OffloadFields:
                           f"activation_checkpointing. Unset: the planner turns it on only where no plan fits "
                           f"without it (long sequences); without a plan, off."},
     )
+    tiled_layers: bool | None = field(
+        default=None,
+        metadata={"help": f"Run each decoder layer over the sequence in tiles of {S.MLP_TILE_TOKENS} tokens around "
+                          f"its attention (norms, projections, rotary embedding, residuals and the MLP), each tile "
+                          f"recomputed in backward: a layer's backward then holds ~9 whole-sequence hidden-size "
+                          f"tensors instead of ~17 (an 8B model at 128k tokens: ~8 GiB less), for one more forward "
+                          f"of the projections and MLP per backward. Llama, Qwen2 and Qwen3 layers (others run "
+                          f"whole, said in the log). Needs activation_checkpointing. Unset: the planner turns it on "
+                          f"only where no plan fits without it; without a plan, off."},
+    )
     offload_chunk_numel: int = field(
         default=S.CHUNK_NUMEL,
         metadata={"help": "Elements per streamed chunk of optimizer state (a multiple of the 8-bit block size). "

@@ -90,8 +90,8 @@ def out_of_memory(run: RunState, step: int, error: BaseException, output_dir: st
     elif swap is None:
         fix = "no layer swap: set layer_swap: auto (decoder layers then wait in pinned CPU memory)"
     else:
-        fix = ("every decoder layer already waits in CPU memory: set activation_offload: true or tiled_mlp: true, "
-               "or lower max_seq_length / per_device_train_batch_size")
+        fix = ("every decoder layer already waits in CPU memory: set activation_offload: true, tiled_mlp: true or "
+               "tiled_layers: true, or lower max_seq_length / per_device_train_batch_size")
     predicted = f"; the plan predicted a {plan.gpu_peak_gib:.1f} GiB peak" if plan is not None else ""
     ckpt = newest_complete_checkpoint(output_dir)
     return GpuOutOfMemory(f"step {step} ran out of GPU memory ({what}){predicted}. {fix}. Updates of this step may "

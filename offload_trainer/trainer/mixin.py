@@ -116,7 +116,7 @@ class OffloadMixin:
     def _train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         run = self._run
         wiring.make_plan(self, run)
-        wiring.install_tiled_mlp(self, run)
+        wiring.install_tiling(self, run)
         if run.settings.checkpointing and run.first_time("plain stacks") and seams.checkpoint_plain_stacks(
                 self.accelerator.unwrap_model(self.model)):
             logger.info("activation checkpointing: also the layers transformers does not checkpoint (a vision encoder's)")

@@ -16,6 +16,7 @@ from ..engine.fit import CudaProbe, ResidencyFit
 from ..engine.layers import decoder_layers
 from ..engine.swap import LayerSwap
 from ..engine.tiled_mlp import tile_mlps
+from ..models.tiled_layers import TILED_LAYER_CLASSES, tile_decoder_layers
 from ..settings import LAYER_SWAP_FIT_STEPS, MLP_TILE_TOKENS, gradients_offloaded
 from ..sysinfo import gpu_budget_gib, host_available_gib
 
@@ -152,14 +153,26 @@ def install_layer_swap(trainer, run: RunState) -> None:
                 swap.prefetch)
 
 
-def install_tiled_mlp(trainer, run: RunState) -> None:
-    """`tiled_mlp` as given, or as the plan decided: each decoder layer's MLP run in tiles (said once)."""
-    if not run.decided("tiled_mlp") or not run.first_time("tiled mlp"):
-        return
+def install_tiling(trainer, run: RunState) -> None:
+    """`tiled_layers` and `tiled_mlp` as given, or as the plan decided (each said once): each decoder layer of a
+    known structure run in tiles around its attention; each MLP in tiles (of the layers tiled whole too, where it
+    then sees one tile, so that a layer of another structure still has its MLP tiled)."""
     layers = decoder_layers(base_model(trainer.model))
-    n = tile_mlps(layers, MLP_TILE_TOKENS) if layers is not None else 0
-    logger.info("tiled MLP: %d MLPs run in tiles of %d tokens, each recomputed in backward (their intermediate "
-                "activations exist for one tile at a time)", n, MLP_TILE_TOKENS)
+    if layers is None:
+        return
+    if run.decided("tiled_layers") and run.first_time("tiled layers"):
+        n = tile_decoder_layers(layers, MLP_TILE_TOKENS)
+        logger.info("tiled layers: %d of %d decoder layers run in tiles of %d tokens around their attention (norms, "
+                    "projections, residuals and MLP; each tile recomputed in backward)", n, len(layers), MLP_TILE_TOKENS)
+        if n < len(layers):
+            kinds = sorted({type(m).__name__ for m in layers if not getattr(m, "_tiled_layer", None)})
+            logger.warning("tiled layers: %s run whole (tiled layers know %s); their MLPs are tiled",
+                           ", ".join(kinds), ", ".join(TILED_LAYER_CLASSES))
+    if (run.decided("tiled_mlp") or run.decided("tiled_layers")) and run.first_time("tiled mlp"):
+        n = tile_mlps(layers, MLP_TILE_TOKENS)
+        if run.decided("tiled_mlp"):
+            logger.info("tiled MLP: %d MLPs run in tiles of %d tokens, each recomputed in backward (their "
+                        "intermediate activations exist for one tile at a time)", n, MLP_TILE_TOKENS)
 
 
 def gpu_limit_bytes(settings) -> int | None:
