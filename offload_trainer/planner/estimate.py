@@ -11,8 +11,9 @@ from ..engine.sizes import STATE_BYTES_PER_VALUE
 from ..settings import MLP_TILE_TOKENS
 from .shape import GiB, Machine, ModelShape
 
-# the allocator's slack past the MLP's intermediates: a base and whole-sequence hidden tensors (see `_gpu_phase`)
-SLACK_BASE_GIB, SLACK_HIDDEN_TENSORS = 2.87, 6.35
+# the allocator's slack past the MLP's intermediates: a base and whole-sequence hidden tensors (see `_gpu_phase`);
+# tiled layers leave fewer of those tensors to be freed and made again at other sizes
+SLACK_BASE_GIB, SLACK_HIDDEN_TENSORS, SLACK_HIDDEN_TENSORS_TILED_LAYERS = 2.87, 6.35, 2.75
 
 
 def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool, offload_gradients: bool,
@@ -108,9 +109,9 @@ def _gpu_phase(x) -> None:
     if x.tiled_layers:
         # whole-sequence tensors left: the input, q/k/v, the attention's output and their gradients, and attention's
         # backward workspace; the two tiles' intermediates; every weight's gradient summed over the tiles in float32.
-        # Fitted to a two-layer 8B stack's backward peak at 64k and 128k tokens (probe on the H200: 3.5 and 8.5 GiB
-        # under the tiled MLP's)
-        layer_ws = (5 * T * h + 12 * x.mlp_T * inter) * wb + (4 * s.layer_params if not x.lora else 0)
+        # The tiles' share fitted to a two-layer 8B stack's backward peak at 64k and 128k tokens (3.5 and 8.5 GiB
+        # under the tiled MLP's); the whole-sequence count to the 8B run at 128k (15.84 GiB allocated; bench/results)
+        layer_ws = (6 * T * h + 12 * x.mlp_T * inter) * wb + (4 * s.layer_params if not x.lora else 0)
     if x.weight_bits == 4:
         layer_ws += 2 * h * inter  # the largest weight, dequantized for its matmul
     if s.cross_layers:
@@ -143,8 +144,9 @@ def _gpu_phase(x) -> None:
     # allocator blocks freed between layers but not reused across sizes: up to ~16k tokens as many as the MLP's
     # intermediates, then growing more slowly, with the whole-sequence hidden tensors (tiling the MLP leaves those as
     # large). Fitted to 8B's reserved less allocated peaks, measured where the allocator never gave memory back:
-    # 3.6 GiB at 16k tokens, 4.4-4.8 at 32k, 6.0 at 64k (tiled; 2 resident layers)
-    x.slack = min(9 * T * inter * wb, SLACK_BASE_GIB * GiB + SLACK_HIDDEN_TENSORS * T * h * wb)
+    # 3.6 GiB at 16k tokens, 4.4-4.8 at 32k, 6.0 at 64k (tiled; 2 resident layers); with tiled layers, 5.7 at 128k
+    hidden_tensors = SLACK_HIDDEN_TENSORS_TILED_LAYERS if x.tiled_layers else SLACK_HIDDEN_TENSORS
+    x.slack = min(9 * T * inter * wb, SLACK_BASE_GIB * GiB + hidden_tensors * T * h * wb)
     x.reserved = x.allocated + x.slack
 
 
