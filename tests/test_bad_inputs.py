@@ -39,6 +39,7 @@ CONFIG_ROWS = {
     "activation-offload-without-checkpointing": ("activation_offload: true\n",
                                                  "set activation_checkpointing: true as well"),
     "layer-swap-without-checkpointing": ("layer_swap: auto\n", "set activation_checkpointing: true as well"),
+    "tiled-layers-without-checkpointing": ("tiled_layers: true\n", "set activation_checkpointing: true as well"),
     "with-fsdp": ("fsdp: full_shard\n", "cannot run under fsdp"),
     "sequence-too-long": ("max_seq_length: 100000\n", "is longer than the model's 2048 positions"),
     "resume-missing-path": ("resume_from_checkpoint: /nonexistent\n",

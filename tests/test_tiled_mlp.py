@@ -45,9 +45,10 @@ def test_tiled_mlp_is_applied_once_and_only_to_long_inputs():
 
 
 @pytest.mark.slow
-def test_tiled_mlp_through_the_trainer(tmp_path, monkeypatch, caplog):
-    """`tiled_mlp: true` (tiles of 8 positions here): said once, and the run's losses and gradient norms those of the
-    untiled run, with the streamed optimizer (its hooks see each gradient once) and exact clipping."""
+def test_tiled_mlp_and_tiled_layers_through_the_trainer(tmp_path, monkeypatch, caplog):
+    """`tiled_mlp: true` and `tiled_layers: true` (tiles of 8 positions here): each said once, and the runs' losses
+    and gradient norms those of the untiled run, with the streamed optimizer (its hooks see each gradient once) and
+    exact clipping."""
     import logging
 
     from helpers import tiny_setup
@@ -67,8 +68,12 @@ def test_tiled_mlp_through_the_trainer(tmp_path, monkeypatch, caplog):
     plain = run("plain")
     with caplog.at_level(logging.INFO, logger="offload_trainer"):
         tiled = run("tiled", tiled_mlp=True)
-    assert [r.getMessage() for r in caplog.records if "tiled MLP" in r.getMessage()] == [
+        layers = run("layers", tiled_layers=True)
+    assert [r.getMessage() for r in caplog.records if "tiled" in r.getMessage()] == [
         "tiled MLP: 2 MLPs run in tiles of 8 tokens, each recomputed in backward (their intermediate activations "
-        "exist for one tile at a time)"]
+        "exist for one tile at a time)",
+        "tiled layers: 2 of 2 decoder layers run in tiles of 8 tokens around their attention (norms, projections, "
+        "residuals and MLP; each tile recomputed in backward)"]
     for key in ("loss", "grad_norm"):
         assert [h[key] for h in tiled] == pytest.approx([h[key] for h in plain], rel=1e-4), key
+        assert [h[key] for h in layers] == pytest.approx([h[key] for h in plain], rel=1e-4), key

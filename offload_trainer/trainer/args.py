@@ -176,9 +176,9 @@ class OffloadFields:
         default=None,
         metadata={"help": f"Run each decoder layer over the sequence in tiles of {S.MLP_TILE_TOKENS} tokens around "
                           f"its attention (norms, projections, rotary embedding, residuals and the MLP), each tile "
-                          f"recomputed in backward: a layer's backward then holds ~9 whole-sequence hidden-size "
-                          f"tensors instead of ~17 (an 8B model at 128k tokens: ~8 GiB less), for one more forward "
-                          f"of the projections and MLP per backward. Llama, Qwen2 and Qwen3 layers (others run "
+                          f"recomputed in backward: whole-sequence tensors are left only around the attention (an 8B "
+                          f"layer's backward at 128k tokens: ~8.5 GiB less than with tiled_mlp), for one more "
+                          f"forward of the projections and MLP per backward. Llama, Qwen2 and Qwen3 layers (others run "
                           f"whole, said in the log). Needs activation_checkpointing. Unset: the planner turns it on "
                           f"only where no plan fits without it; without a plan, off."},
     )

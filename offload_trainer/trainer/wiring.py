@@ -163,7 +163,8 @@ def install_tiling(trainer, run: RunState) -> None:
     if run.decided("tiled_layers") and run.first_time("tiled layers"):
         n = tile_decoder_layers(layers, MLP_TILE_TOKENS)
         logger.info("tiled layers: %d of %d decoder layers run in tiles of %d tokens around their attention (norms, "
-                    "projections, residuals and MLP; each tile recomputed in backward)", n, len(layers), MLP_TILE_TOKENS)
+                    "projections, residuals and MLP; each tile recomputed in backward)", n, len(layers),
+                    MLP_TILE_TOKENS)
         if n < len(layers):
             kinds = sorted({type(m).__name__ for m in layers if not getattr(m, "_tiled_layer", None)})
             logger.warning("tiled layers: %s run whole (tiled layers know %s); their MLPs are tiled",

@@ -3,7 +3,7 @@
 torchao's update (`single_param_adam`, compiled by inductor) spends its GPU time in table lookups: each value's
 two codes are found by a binary search over the 256-entry map (8 dependent lookups, 2 more to round), and the
 in-place writes add copy kernels. On the H200 it ran 0.55-0.60 ms per 25M values, 3.2-4x torch's fused bf16
-AdamW, and its compiled call cost 0.6-0.8 ms of CPU (bench/update_kernel.py).
+AdamW, and its compiled call cost 0.6-0.8 ms of CPU (bench/mechanisms/update_kernel.py).
 
 This kernel reads each value once and writes it once, and quantizes with two lookups instead of ten, into the
 same codes: the map from a scaled value to its code is monotone (torchao finds the largest map value <= x, then
@@ -19,8 +19,8 @@ The rest follows torchao's `single_param_adam` (AdamW branch) op for op, in floa
 scales. Stochastic rounding to bf16 draws its bits from a Philox counter that depends only on the seed, the
 step and the value's place in the optimizer's flat state buffer, so a resumed run rounds as the uninterrupted one.
 
-On the H200 it runs 0.21-0.24 ms per 25M values (bench/update_kernel.py) and, with `eager_numerics` (default),
-gives torchao's eagerly run update bit for bit: no code, scale or weight differs on 1M values, and 50 steps of
+On the H200 it runs 0.21-0.24 ms per 25M values (bench/mechanisms/update_kernel.py) and, with `eager_numerics`
+(default), gives torchao's eagerly run update bit for bit: no code, scale or weight differs on 1M values, and 50 steps of
 StreamedAdamW8bit equal torchao `AdamW8bit` on the GPU exactly in every tested mode (tests/optim/test_streamed_gpu.py).
 """
 from __future__ import annotations

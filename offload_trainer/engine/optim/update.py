@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 from torchao.optim.quant_utils import _fp32_to_bf16_sr, dequant_with_qmap, quantize_8bit_with_qmap, scale_tensor
 
-# Inductor options for the update. None by default: bench/update_kernel.py measured int32 codes in the quantizer,
-# no bounds asserts on the table lookups, multi-kernel reductions and autotuning within ~10% of the default kernel
+# Inductor options for the update. None by default: bench/mechanisms/update_kernel.py measured int32 codes in the
+# quantizer, no bounds asserts on the table lookups, multi-kernel reductions and autotuning within ~10% of the default kernel
 # (0.50-0.57 ms per 25M values, torchao's own update 0.47-0.49 ms), not worth leaving torchao's code for.
 UPDATE_INDUCTOR_OPTIONS: dict = {}
 
@@ -26,14 +26,14 @@ def adamw8bit_chunk(p: Tensor, grad: Tensor, codes: Tensor, scales: Tensor, qmap
     tensors: codes (2, n) uint8 and scales (2, n / block) of exp_avg and exp_avg_sq.
 
     Same ops in the same order, with torchao's quantization functions (`quantize`: a variant to measure, see
-    bench/update_kernel.py), so results are identical; but a compiled call over plain tensors skips the
+    bench/mechanisms/update_kernel.py), so results are identical; but a compiled call over plain tensors skips the
     tensor-subclass dispatch, which cost ~1 ms of CPU per call and starved the GPU of backward kernels when called
     from gradient hooks.
 
     A 256-value block whose gradient holds a NaN or an infinity is left as it was (its weights, codes and
     scales): its new block scales come out non-finite, which is all the check reads (no extra pass over the
     gradient), and it is decided on the GPU, so updates queued during backward never wait for the CPU.
-    (`guard=False` drops that check: torchao's own update, for bench/update_kernel.py to measure.)
+    (`guard=False` drops that check: torchao's own update, for bench/mechanisms/update_kernel.py to measure.)
     """
     block = codes.shape[1] // scales.shape[1]
     p_f32 = p.float()
