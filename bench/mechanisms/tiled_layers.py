@@ -98,19 +98,20 @@ def main() -> None:
     ap.add_argument("modes", help="tiled_mlp and/or tiled_layers, comma-separated")
     ap.add_argument("--out", help="append the rows here (JSON lines)")
     a = ap.parse_args()
+    lines = []
     for T in (int(x) for x in a.lengths.split(",")):
-        rows = [sdpa_alone(T)]
+        lines.append(json.dumps(sdpa_alone(T)))
+        print(lines[-1], flush=True)
         for mode in a.modes.split(","):
             try:
-                rows.append(stack(T, mode))
+                lines.append(json.dumps(stack(T, mode)))
             except torch.OutOfMemoryError as e:
-                rows.append(dict(case=mode, T=T, oom=str(e)[:200]))
+                lines.append(json.dumps(dict(case=mode, T=T, oom=str(e)[:200])))
                 torch.cuda.empty_cache()
-        for row in rows:
-            print(json.dumps(row), flush=True)
-            if a.out:
-                with open(a.out, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            print(lines[-1], flush=True)
+    if a.out:
+        with open(a.out, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
 
 
 if __name__ == "__main__":
