@@ -104,14 +104,15 @@ def _gpu_phase(x) -> None:
     x.mlp_T = min(T, x.batch * MLP_TILE_TOKENS) if x.tiled else T
     # (tiled: the MLP's input, output, their gradients and the tiles' input gradient are whole-sequence tensors too,
     # 5 more: measured 8B at 64k tokens, 2.6 GiB over the untiled count)
-    layer_ws = ((15 if x.tiled else 10) * T * h + 6 * x.mlp_T * inter) * wb + (
-        4 * 3 * h * inter if x.tiled and not x.lora else 0)
     if x.tiled_layers:
         # whole-sequence tensors left: the input, q/k/v, the attention's output and their gradients, and attention's
         # backward workspace; the two tiles' intermediates; every weight's gradient summed over the tiles in float32.
         # The tiles' share fitted to a two-layer 8B stack's backward peak at 64k and 128k tokens (3.5 and 8.5 GiB
         # under the tiled MLP's); the whole-sequence count to the 8B run at 128k (15.84 GiB allocated; bench/results)
         layer_ws = (6 * T * h + 12 * x.mlp_T * inter) * wb + (4 * s.layer_params if not x.lora else 0)
+    else:
+        layer_ws = ((15 if x.tiled else 10) * T * h + 6 * x.mlp_T * inter) * wb + (
+            4 * 3 * h * inter if x.tiled and not x.lora else 0)
     if x.weight_bits == 4:
         layer_ws += 2 * h * inter  # the largest weight, dequantized for its matmul
     if s.cross_layers:
@@ -215,9 +216,10 @@ def _time(x) -> None:
     flops = (6 if x.lora else 8) * active * x.T + 8 * s.layers * x.T * x.seq * s.hidden  # + causal attention
     flops += 16 * s.cross_layers * x.T * s.cross_tokens * s.hidden  # + cross-attention to the image (fwd x2, bwd)
     # tiled MLP: each MLP's forward once more, in backward (not on one big GPU, which needs no tiles)
-    tiled_flops = 2 * 3 * s.hidden * s.intermediate * x.T * (s.layers - s.moe_layers) if x.tiled else 0
     if x.tiled_layers:  # (and the projections: the whole layer's linear weights once more)
         tiled_flops = 2 * (s.layer_params - 2 * s.hidden) * x.T * s.layers
+    else:
+        tiled_flops = 2 * 3 * s.hidden * s.intermediate * x.T * (s.layers - s.moe_layers) if x.tiled else 0
     slowdown = m.nf4_slowdown if x.weight_bits == 4 else 1.0
     x.t_native = x.accum * flops / m.train_flops * slowdown + (16 * x.params / 4.0e12 if not x.lora else 0.0)  # AdamW:
     # ~16 B/param at ~4 TB/s

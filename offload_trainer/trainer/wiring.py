@@ -157,10 +157,13 @@ def install_tiling(trainer, run: RunState) -> None:
     """`tiled_layers` and `tiled_mlp` as given, or as the plan decided (each said once): each decoder layer of a
     known structure run in tiles around its attention; each MLP in tiles (of the layers tiled whole too, where it
     then sees one tile, so that a layer of another structure still has its MLP tiled)."""
+    tiled_layers, tiled_mlp = run.decided("tiled_layers"), run.decided("tiled_mlp")
+    if not (tiled_layers or tiled_mlp):
+        return
     layers = decoder_layers(base_model(trainer.model))
     if layers is None:
         return
-    if run.decided("tiled_layers") and run.first_time("tiled layers"):
+    if tiled_layers and run.first_time("tiled layers"):
         n = tile_decoder_layers(layers, MLP_TILE_TOKENS)
         logger.info("tiled layers: %d of %d decoder layers run in tiles of %d tokens around their attention (norms, "
                     "projections, residuals and MLP; each tile recomputed in backward)", n, len(layers),
@@ -169,9 +172,9 @@ def install_tiling(trainer, run: RunState) -> None:
             kinds = sorted({type(m).__name__ for m in layers if not getattr(m, "_tiled_layer", None)})
             logger.warning("tiled layers: %s run whole (tiled layers know %s); their MLPs are tiled",
                            ", ".join(kinds), ", ".join(TILED_LAYER_CLASSES))
-    if (run.decided("tiled_mlp") or run.decided("tiled_layers")) and run.first_time("tiled mlp"):
+    if run.first_time("tiled mlp"):
         n = tile_mlps(layers, MLP_TILE_TOKENS)
-        if run.decided("tiled_mlp"):
+        if tiled_mlp:
             logger.info("tiled MLP: %d MLPs run in tiles of %d tokens, each recomputed in backward (their "
                         "intermediate activations exist for one tile at a time)", n, MLP_TILE_TOKENS)
 
