@@ -11,6 +11,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the last bits between runs: the data-parallel tests, which compare processes bit for bit, failed about 1 run in 5
 # (also before stop 16). Conditional numerical reproducibility makes it repeatable (inherited by spawned ranks).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
+# Under pytest-xdist (the README's `-n 2`) each worker computes on one thread, and the processes tests start inherit
+# it: two workers of two OpenMP threads each on a 2-core machine spin against each other and ran the suite slower than
+# one process did.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 import sys  # noqa: E402
 

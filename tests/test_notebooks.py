@@ -6,7 +6,8 @@ import pytest
 nbformat = pytest.importorskip("nbformat")  # (the test extra has them; the GPU machine's environment does not)
 NotebookClient = pytest.importorskip("nbclient").NotebookClient
 
-pytestmark = pytest.mark.slow
+# (one xdist worker runs both SmolLM2 tests: the session fixture converts the model once per worker)
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -10,7 +10,7 @@ from offload_trainer.cli.run_args import DataArguments, ModelArguments
 from offload_trainer.data import build_datasets
 from offload_trainer.models import load_model, load_tokenizer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("smollm2")]  # (with test_notebooks.py: one conversion)
 
 
 def test_lora_finetune_lowers_heldout_loss_and_reloads(smollm2_dir, tmp_path):
