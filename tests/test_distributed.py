@@ -14,6 +14,7 @@ from offload_trainer.engine.optim import StreamedAdamW8bit
 from tiny_models import TinyLM, param_groups
 
 pytestmark = pytest.mark.slow  # (processes started for each test: run by .ci/run's second step)
+TWO_RANKS = pytest.mark.xdist_group("two_ranks")  # one xdist worker: `gloo_runs` starts the ranks once for all
 
 LR, BETAS = 3e-3, (0.9, 0.95)
 WORLD = 2
@@ -27,6 +28,7 @@ MODES = {  # name: (optimizer kwargs, max_grad_norm)
 SPEC_NORMS = {1: 1.09, 2: 0.775}  # micro-batches per rank -> max_grad_norm
 SPEC_MODES = {f"{name}_{n}": (kw, norm) for n, norm in SPEC_NORMS.items()
               for name, kw in (("speculative_clip", dict(speculative=True)), ("exact_clip", dict()))}
+MATCH_STEPS, SPEC_STEPS, ACCUM_STEPS, ACCUM_PER_RANK = 6, 8, 3, 3
 ACCUM_MODES = {  # with offload_gradients, every micro-batch is reduced and owners sum the means in host memory
     "update_in_backward": MODES["update_in_backward"],
     "offload_grads_clip": MODES["offload_grads_clip"],
@@ -95,44 +97,70 @@ def make(kw, sharding=None, device="cpu", wide=False):
     return model, opt
 
 
-def _worker(rank: int, store: str, out: str, mode: str, per_rank: int, steps: int, backend: str = "gloo") -> None:
+def _worker(rank: int, store: str, jobs: list, backend: str) -> None:
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=WORLD)
     try:
-        kw, max_norm = {**MODES, **ACCUM_MODES, **SPEC_MODES}[mode]
-        shard = Sharding()
-        model, opt = make(kw, shard, device, wide=device.type == "cuda")
-        with torch.no_grad():  # different starting weights per rank: sync_weights must make them rank 0's
-            for p in model.parameters():
-                p.add_(rank)
-        opt.sync_weights()
-        ids = list(range(rank * per_rank, (rank + 1) * per_rank))
-        train(opt, model, steps=steps, micro_ids=ids, total_micro=WORLD * per_rank, max_norm=max_norm)
-        torch.save({"weights": {k: v.cpu().clone() for k, v in model.state_dict().items()},
-                    "optimizer": opt.state_dict(), "memory": opt.memory_stats(), "stats": dict(shard.stats),
-                    "clip_counts": opt.clip_counts if opt.speculative else None},
-                   os.path.join(out, f"rank{rank}.pt"))
+        for out, mode, per_rank, steps in jobs:  # one process group for every job: a start costs ~10 s here
+            kw, max_norm = {**MODES, **ACCUM_MODES, **SPEC_MODES}[mode]
+            shard = Sharding()
+            model, opt = make(kw, shard, device, wide=device.type == "cuda")
+            with torch.no_grad():  # different starting weights per rank: sync_weights must make them rank 0's
+                for p in model.parameters():
+                    p.add_(rank)
+            opt.sync_weights()
+            ids = list(range(rank * per_rank, (rank + 1) * per_rank))
+            train(opt, model, steps=steps, micro_ids=ids, total_micro=WORLD * per_rank, max_norm=max_norm)
+            torch.save({"weights": {k: v.cpu().clone() for k, v in model.state_dict().items()},
+                        "optimizer": opt.state_dict(), "memory": opt.memory_stats(), "stats": dict(shard.stats),
+                        "clip_counts": opt.clip_counts if opt.speculative else None},
+                       os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def run_two_ranks(tmp_path, mode, per_rank, steps, backend="gloo"):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    ctx = mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path), mode, per_rank, steps, backend),
+def run_two_ranks(root, jobs: dict, backend="gloo") -> dict:
+    """Each job (name: (mode, micro-batches per rank, steps)) on the same 2 started ranks, in turn: name -> the
+    ranks' results."""
+    dirs = {name: root / name for name in jobs}
+    for d in dirs.values():
+        d.mkdir(parents=True, exist_ok=True)
+    args = [(str(dirs[name]), *job) for name, job in jobs.items()]
+    ctx = mp.start_processes(_worker, args=(str(root / "store"), args, backend),
                              nprocs=WORLD, start_method="spawn", join=True)  # fork after OpenMP use can hang
     assert ctx is None or ctx.join()
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    return {name: [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+            for name, d in dirs.items()}
 
 
+@pytest.fixture(scope="session")
+def _ranks(tmp_path_factory):
+    jobs = {f"match-{mode}": (mode, 1, MATCH_STEPS) for mode in MODES}
+    jobs.update({f"spec-{mode}": (mode, int(mode[-1]), SPEC_STEPS) for mode in SPEC_MODES})
+    jobs.update({f"accum-{mode}": (mode, ACCUM_PER_RANK, ACCUM_STEPS) for mode in ACCUM_MODES})
+    return run_two_ranks(tmp_path_factory.mktemp("ranks"), jobs)
+
+
+@pytest.fixture
+def gloo_runs(request):
+    """Every engine case of this file on one pair of gloo ranks (the tests below compare them with one process)."""
+    # xdist's `--dist loadgroup` groups by a suffix it writes into node ids; pytest 9.2 keeps ids elsewhere, and the
+    # group then silently splits over both workers, each starting the ranks
+    assert getattr(request.config.option, "loadgroup", False) is not True or "@two_ranks" in request.node.nodeid, \
+        "pytest-xdist did not group these tests: install the test extra's pytest (pip install -e '.[test]')"
+    return request.getfixturevalue("_ranks")
+
+
+@TWO_RANKS
 @pytest.mark.parametrize("mode", list(MODES))
-def test_two_ranks_match_one_rank_accumulating(tmp_path, mode):
+def test_two_ranks_match_one_rank_accumulating(gloo_runs, mode):
     """2 ranks x 1 micro-batch == 1 rank x 2 micro-batches (same global batch), bit for bit: the reduction is
     the accumulation's sum in the same order, and the clipping norm is taken over every tensor's norm in model
     order, as on one process."""
-    steps = 6
-    ranks = run_two_ranks(tmp_path, mode, per_rank=1, steps=steps)
+    steps = MATCH_STEPS
+    ranks = gloo_runs[f"match-{mode}"]
     kw, max_norm = MODES[mode]
     ref, ref_opt = make(kw)
     train(ref_opt, ref, steps=steps, micro_ids=[0, 1], total_micro=2, max_norm=max_norm)
@@ -164,15 +192,15 @@ def test_two_ranks_match_one_rank_accumulating(tmp_path, mode):
             assert torch.equal(a, b), (sid, key)
 
 
+@TWO_RANKS
 @pytest.mark.parametrize("per_rank", [1, 2], ids=["one_micro_batch", "accumulating"])
-def test_two_ranks_speculative_clipping_equals_exact(tmp_path, per_rank):
+def test_two_ranks_speculative_clipping_equals_exact(gloo_runs, per_rank):
     """Speculative clipping over 2 ranks: the owner updates during backward, every rank takes part in each
     broadcast; a step whose global norm clips is rolled back (owners restore, broadcast again) and redone on every
     rank. Weights and 8-bit states equal exact clipping over 2 ranks bit for bit, with the clip firing on some steps
     and not on others."""
-    steps = 8
-    spec = run_two_ranks(tmp_path / "spec", f"speculative_clip_{per_rank}", per_rank=per_rank, steps=steps)
-    exact = run_two_ranks(tmp_path / "exact", f"exact_clip_{per_rank}", per_rank=per_rank, steps=steps)
+    steps = SPEC_STEPS
+    spec, exact = gloo_runs[f"spec-speculative_clip_{per_rank}"], gloo_runs[f"spec-exact_clip_{per_rank}"]
     counts = [r["clip_counts"] for r in spec]
     assert counts[0] == counts[1] and 0 < counts[0]["clipped"] < steps, counts
     assert counts[0]["redone"] == counts[0]["clipped"]  # (the policy never fell back to exact clipping here)
@@ -186,13 +214,14 @@ def test_two_ranks_speculative_clipping_equals_exact(tmp_path, per_rank):
                 assert torch.equal(a, b), (sid, key)
 
 
+@TWO_RANKS
 @pytest.mark.parametrize("mode", list(ACCUM_MODES))
-def test_two_ranks_with_accumulation(tmp_path, mode):
+def test_two_ranks_with_accumulation(gloo_runs, mode):
     """2 ranks x 3 micro-batches == 1 rank x 6: the sum is associated differently, so equal to 1e-6. With
     offload_gradients each micro-batch is reduced as it is made (no rank keeps a gradient set between them) and
     each owner sums the means in pinned host memory."""
-    steps, per_rank = 3, 3
-    ranks = run_two_ranks(tmp_path, mode, per_rank=per_rank, steps=steps)
+    steps, per_rank = ACCUM_STEPS, ACCUM_PER_RANK
+    ranks = gloo_runs[f"accum-{mode}"]
     kw, max_norm = ACCUM_MODES[mode]
     ref, ref_opt = make(kw)
     train(ref_opt, ref, steps=steps, micro_ids=list(range(2 * per_rank)), total_micro=2 * per_rank,
@@ -278,7 +307,7 @@ def test_two_gpus_match_one_gpu_accumulating(tmp_path, mode):
     """The same on 2 GPUs with NCCL, thin wide layers (a broadcast overwriting weights that backward still reads,
     or an update reading a gradient before its reduction landed, shows here)."""
     steps = 6
-    ranks = run_two_ranks(tmp_path, mode, per_rank=1, steps=steps, backend="nccl")
+    ranks = run_two_ranks(tmp_path, {mode: (mode, 1, steps)}, backend="nccl")[mode]
     kw, max_norm = MODES[mode]
     ref, ref_opt = make(kw, device="cuda:0", wide=True)
     train(ref_opt, ref, steps=steps, micro_ids=[0, 1], total_micro=2, max_norm=max_norm)
