@@ -54,6 +54,18 @@ def test_kernel_diff_finds_the_extra_kernel_on_the_compute_stream():
     assert rows[1] == {"kernel": "gemm_b", "count": [1, 1], "ms": [0.5, 0.5]} and len(rows) == 2  # (no copy stream)
 
 
+def test_inside_counts_what_ran_within_an_operators_spans():
+    names = ["AccumulateGrad", "aten::copy_", "cudaMemcpyAsync", "aten::mm"]
+    kinds = ["cpu_op", "cuda_runtime"]
+    ev = [[0, 0, 1, 0.0, 100.0, 0], [0, 0, 1, 500.0, 300.0, 0],  # two hook spans on thread 1
+          [1, 0, 1, 10.0, 20.0, 0], [1, 0, 1, 510.0, 20.0, 0], [2, 1, 1, 40.0, 6.0, 1],  # inside them
+          [3, 0, 1, 200.0, 50.0, 0], [1, 0, 2, 20.0, 20.0, 0]]  # between the spans; inside in time, other thread
+    r = trace_gaps.inside({"names": names, "kinds": kinds, "events": ev}, "AccumulateGrad", steps=2, top=5)
+    assert r["spans_per_step"] == 1 and r["ms_per_step"] == 0.2
+    assert r["inside_per_step"] == [{"name": "aten::copy_", "count": 1, "ms": 0.02},
+                                    {"name": "cudaMemcpyAsync", "count": 0.5, "ms": 0.003}]
+
+
 def test_make_table_pairs_clipping_rows_with_native_clip(tmp_path, capsys):
     import make_table
 

@@ -4,6 +4,7 @@ for other streams, and what the CPU was doing meanwhile.
     python bench/analysis/trace_gaps.py TRACE.json.gz [--top 15] [--bin-ms 5]
     python bench/analysis/trace_gaps.py TRACE.json.gz --against OTHER.json.gz   # the compute streams' kernels,
                                                                                  # side by side
+    python bench/analysis/trace_gaps.py TRACE.json.gz --inside OP --steps N     # what ran inside OP's spans
 
 TRACE is written by `step_bench.py --trace` (one profiled step). For every idle gap of the compute stream (the
 stream that launches the most kernels), the kernel that ends it was launched by the CPU at some moment: the part
@@ -220,6 +221,35 @@ def _timeline(busy: list[list[float]], t_end: float, bin_us: float) -> str:
     return "".join(" .:-=#"[min(5, int(f * 5 + 0.999))] if f > 0 else " " for f in frac)
 
 
+def inside(trace: dict, name: str, steps: int, top: int) -> dict:
+    """What the CPU ran inside the spans of operator `name` (on the thread that runs it: e.g. the gradient hooks,
+    inside `torch::autograd::AccumulateGrad`), per step: the spans' count and time, and each operator or runtime call
+    that starts inside one, by count and time (nested ones too: the lines overlap and do not add up)."""
+    spans = defaultdict(list)
+    for rid, ev in _events(trace, ("cpu_op",)):
+        if ev["name"] == name:
+            spans[rid].append((ev["s"], ev["e"]))
+    if not spans:
+        raise SystemExit(f"no operator named {name!r} in this trace")
+    for rid in spans:
+        spans[rid].sort()
+    count, us = defaultdict(int), defaultdict(float)
+    for rid, ev in _events(trace, ("cpu_op",) + RUNTIME_KINDS):
+        if rid not in spans or ev["name"] == name:
+            continue
+        starts = spans[rid]
+        i = bisect.bisect_right(starts, (ev["s"], float("inf"))) - 1
+        if i >= 0 and ev["s"] < starts[i][1]:
+            count[ev["name"]] += 1
+            us[ev["name"]] += ev["e"] - ev["s"]
+    durations = sorted(e - s for v in spans.values() for s, e in v)
+    lines = sorted(us, key=us.get, reverse=True)[:top]
+    return {"spans_per_step": len(durations) / steps, "ms_per_step": round(sum(durations) / steps / 1e3, 3),
+            "median_span_us": durations[len(durations) // 2],
+            "inside_per_step": [{"name": k, "count": round(count[k] / steps, 1), "ms": round(us[k] / steps / 1e3, 3)}
+                                for k in lines]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
@@ -227,7 +257,12 @@ def main() -> None:
     ap.add_argument("--bin-ms", type=float, default=5.0)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--against", help="a second trace: compare the compute streams' kernels")
+    ap.add_argument("--inside", metavar="OPERATOR", help="what ran inside this operator's spans (per step)")
+    ap.add_argument("--steps", type=int, default=1, help="steps the trace holds (--inside gives figures per step)")
     a = ap.parse_args()
+    if a.inside:
+        print(json.dumps(inside(load(a.trace), a.inside, a.steps, a.top), indent=1))
+        return
     if a.against:
         rows = kernel_diff(load(a.trace), load(a.against), a.top)
         if a.json:

@@ -5,7 +5,8 @@
 # Natives first, while the card is free (uncapped, fused fp32 AdamW: NATIVE=native_8bit for shapes whose fp32 states
 # do not fit); then .gpu/hold_gpu_memory.py holds all but 23.5 GiB and the command runs the config as it is. Modes:
 # noclip (max_grad_norm 0 everywhere) and clip (the natives clip at 1.0; ours at 1000: speculative, the clip never
-# fires). CONFIG (default configs/llama3-8b-full-24gb.yaml), MODEL / BS / SEQ: the bare loop's shape (the config's).
+# fires). CONFIG (default configs/llama3-8b-full-24gb.yaml), MODEL / BS / SEQ: the bare loop's shape (the config's);
+# NATIVE=none where the bare loop has no such model (vision): the stock Trainer is then the only reference.
 # Rows to OUTDIR/rows.jsonl, traces to OUTDIR/*.json.gz, the budget to OUTDIR/budget.json and stdout.
 set -u
 dir=$1; modes=$2; shift 2
@@ -17,10 +18,12 @@ out=$dir/rows.jsonl; prof=(--skip 3 --profile-steps 3); steps=13  # (6 timed ste
 clipkey() { [ "$1" = clip ] && echo "max_grad_norm=$2" || echo "max_grad_norm=0"; }
 for m in $modes; do
   sys=$native; [ "$m" = clip ] && sys=${native}_clip
-  echo "=== $sys ($(date +%T))"
-  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${ROW_TIMEOUT:-200}" python3 bench/rows/step_bench.py "$sys" \
-    "$model" --bs "$bs" --seq "$seq" --steps 6 --profile-steps 3 --trace "$dir/$sys.json.gz" --out "$out" ||
-    echo "row failed: $sys (rc $?)"
+  [ "$native" = none ] || {
+    echo "=== $sys ($(date +%T))"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${ROW_TIMEOUT:-200}" python3 bench/rows/step_bench.py \
+      "$sys" "$model" --bs "$bs" --seq "$seq" --steps 6 --profile-steps 3 --trace "$dir/$sys.json.gz" --out "$out" ||
+      echo "row failed: $sys (rc $?)"
+  }
   echo "=== trainer_native $m ($(date +%T))"
   timeout "${ROW_TIMEOUT:-200}" python3 bench/rows/trainer_bench.py "$config" --stock offload_optimizer=false optim="$optim" \
     gpu_memory_limit_gb= layer_swap=off activation_offload=false "$(clipkey "$m" 1.0)" max_steps=$steps \
