@@ -7,7 +7,8 @@
 # noclip (max_grad_norm 0 everywhere) and clip (the natives clip at 1.0; ours at 1000: speculative, the clip never
 # fires). CONFIG (default configs/llama3-8b-full-24gb.yaml), MODEL / BS / SEQ: the bare loop's shape (the config's);
 # NATIVE=none where the bare loop has no such model (vision): the stock Trainer is then the only reference.
-# Rows to OUTDIR/rows.jsonl, traces to OUTDIR/*.json.gz, the budget to OUTDIR/budget.json and stdout.
+# Rows to OUTDIR/rows.jsonl, traces to OUTDIR/*.json.gz, the budget to OUTDIR/budget.json and stdout. ROW_TIMEOUT
+# (default 200 s) bounds each row: the command's profiled run at 32k needs ~230 s (ROW_TIMEOUT=300).
 set -u
 dir=$1; modes=$2; shift 2
 mkdir -p "$dir"
