@@ -428,6 +428,33 @@ def test_data_rewritten_with_its_old_mtime(tmp_path):
     assert after[0]["input_ids"][:5].tolist() == want != before[0]["input_ids"][:5].tolist()
 
 
+def test_a_failing_map_leaves_other_runs_files(tmp_path, monkeypatch):
+    """A map that fails removes the temporary files it was writing, not those of another run (or test worker)
+    tokenizing other data into the same cache at the same time."""
+    import datasets
+
+    from offload_trainer.data import _map
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))
+    ds = datasets.load_dataset("json", data_files=str(_rows(tmp_path)), split="train")
+    other = _map(ds, lambda b: {"n": [len(t) for t in b["text"]]}, fingerprint="other", desc="other", num_proc=None)
+    where = os.path.dirname(other.cache_files[0]["filename"])
+
+    def fails(batch):
+        open(os.path.join(where, "tmp-other-run-writing"), "w").close()  # the other run, at work meanwhile
+        raise ValueError("a bad row")
+
+    with pytest.raises(ValueError, match="a bad row"):
+        _map(ds, fails, fingerprint="this", desc="this", num_proc=None)
+    assert os.path.exists(os.path.join(where, "tmp-other-run-writing"))
+
+
+def _rows(tmp_path):
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(8)))
+    return f
+
+
 def test_signal_outside_the_training_loop(tmp_path, capsys, monkeypatch):
     """SIGTERM while the run loads (before the Trainer's own handler), and Ctrl-C during the final save: a sentence
     with the exit code of the signal, naming the last complete checkpoint where there is one."""
@@ -494,7 +521,7 @@ def test_ctrl_c_while_workers_tokenize(tmp_path, to):
     assert proc.returncode == 130, text[-2000:]
     assert "interrupted: SIGINT outside the training loop: no checkpoint was saved" in text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
-    assert not [f for f in (cache / "offload_trainer").iterdir() if f.name.startswith("tmp")]
+    assert not [f for f in (cache / "offload_trainer").rglob("tmp*")]
 
 
 def test_finished_run_resumed(trained, tmp_path, capsys):

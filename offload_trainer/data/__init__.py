@@ -164,12 +164,14 @@ def _map(ds, fn, *, fingerprint: str, desc: str, num_proc, **kw):
         return ds.map(fn, batched=True, **kw)
     import datasets
 
-    cache = os.path.join(datasets.config.HF_DATASETS_CACHE, "offload_trainer")
+    # One directory per map: datasets writes its temporary files beside the cache file, and the clean-up below must
+    # see only this map's, not those of another run (or test) tokenizing other data at the same time.
+    cache = os.path.join(datasets.config.HF_DATASETS_CACHE, "offload_trainer", fingerprint)
     os.makedirs(cache, exist_ok=True)
     before = set(os.listdir(cache))
     try:
         return ds.map(fn, batched=True, num_proc=num_proc, new_fingerprint=fingerprint, desc=desc,
-                      cache_file_name=os.path.join(cache, f"{fingerprint}.arrow"), **kw)
+                      cache_file_name=os.path.join(cache, "data.arrow"), **kw)
     except BaseException as e:
         # A Ctrl-C or SIGTERM with num_proc > 1 terminates the pool's workers before they remove the temporary files
         # they were writing (datasets cleans them up only where the interrupt reaches the worker's own code): the
