@@ -48,8 +48,10 @@ def use_expandable_segments() -> None:
 def quiet_other_libraries() -> None:
     """What the stack prints on import that is not ours to act on: torch's notice that torchao registers enums the old
     way (`torch.utils._pytree`), torchao's note that it skips its C++ kernels (we set that, see above), bitsandbytes'
-    note that its CPU backend lacks the optional `kernels` package (QLoRA on a CPU runs without it)."""
-    for name in ("torch.utils._pytree", "torchao", "bitsandbytes"):
+    note that its CPU backend lacks the optional `kernels` package (QLoRA on a CPU runs without it), and where
+    `kernels` is installed, its note that offline it skips the publisher check of a kernel bitsandbytes then does not
+    load."""
+    for name in ("torch.utils._pytree", "torchao", "bitsandbytes", "kernels"):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
