@@ -267,6 +267,46 @@ def test_resuming_a_finished_run_trains_nothing(tmp_path):
     assert ours.state.global_step == 3
 
 
+def test_a_run_stopped_by_max_steps_resumes_by_epochs_as_the_trainer(tmp_path):
+    """A checkpoint at the max_steps its run stopped at, resumed with max_steps unset (by epochs: more steps): both
+    classes train on to the epoch's end (ours took the checkpoint for a finished run and trained nothing)."""
+    stock, ours = pair(tmp_path, max_steps=2, save_strategy="steps", save_steps=2)
+    ends = {}
+    for name, t in (("stock", stock), ("ours", ours)):
+        t.train_dataset = small(t.train_dataset)  # (an epoch: 4 steps)
+        t.train()
+        t.args.max_steps, t.args.num_train_epochs = -1, 1
+        t.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-2"))
+        ends[name] = t.state.global_step
+    assert ends["ours"] == ends["stock"] == 4, ends
+
+
+class OutOfMemoryAt(TrainerCallback):
+    """A step at `batch` rows or more fails as CUDA's out-of-memory does (auto_find_batch_size then halves...)."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.train_batch_size >= self.batch:
+            raise RuntimeError("CUDA out of memory.")
+
+
+def test_resuming_a_finished_run_takes_back_the_batch_size_it_found(tmp_path):
+    """auto_find_batch_size: a new Trainer resuming the run starts from the batch size the run found, not the one
+    asked for, as the Trainer's resume does; also where the checkpoint is the run's last and ours trains nothing."""
+    stock, ours = pair(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, auto_find_batch_size=True,
+                       per_device_train_batch_size=4, trainer_kw={"callbacks": [OutOfMemoryAt(4)]})
+    found = {}
+    for name, t in (("stock", stock), ("ours", ours)):
+        t.train()
+        again = type(t)(model=t.model, args=t.args, train_dataset=t.train_dataset)
+        assert again._train_batch_size == 4
+        again.train(resume_from_checkpoint=True)
+        found[name] = (t._train_batch_size, again._train_batch_size)
+    assert found["ours"] == found["stock"] == (3, 3), found
+
+
 class GrowingBuffer(torch.nn.Module):
     """A model whose persistent buffer grows as it trains, and whose load_state_dict accepts any length of it."""
 

@@ -125,7 +125,7 @@ class OffloadMixin:
         if run.swap is not None:  # a checkpoint loaded by train() must land in the host copies
             run.swap.offload_all()
             run.swap.synchronize()
-        last = staging.finished_at(self.args, resume_from_checkpoint) if resume_from_checkpoint else None
+        last = staging.finished_at(self, resume_from_checkpoint) if resume_from_checkpoint else None
         if last is not None:
             return staging.load_finished(self, resume_from_checkpoint, last)
         # Trainer.train() (re)enables plain checkpointing before its loop; ours goes on top at the first step.

@@ -61,13 +61,19 @@ def _check_changes(trainer, run: RunState, checkpoint: str) -> None:
     resume_changes.check(checkpoint, trainer.args, step, row_tokens(trainer, run), training_rows(trainer))
 
 
-def finished_at(args, checkpoint: str) -> int | None:
-    """The checkpoint's step where it is the run's last (max_steps; or, by epochs, the total of the same run)."""
-    state, step = _state_and_step(checkpoint)
-    target = args.max_steps
-    if target <= 0 and state.get("num_train_epochs") == args.num_train_epochs:
-        target = state.get("max_steps", 0)
-    return step if step is not None and step == target else None  # (past it: resume_changes refuses)
+def finished_at(trainer, checkpoint: str) -> int | None:
+    """The checkpoint's step where it is the last of the run now asked for: max_steps, or by epochs the steps they
+    come to over this run's data and batch size (the checkpoint's own run may have stopped earlier, by max_steps)."""
+    step = _state_and_step(checkpoint)[1]
+    if step is None:
+        return None
+    target = trainer.args.max_steps
+    if target <= 0:
+        try:
+            target = trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())[-1]
+        except (TypeError, ValueError):  # (no length: the Trainer itself asks for max_steps)
+            return None
+    return step if step == target else None  # (past it: resume_changes refuses)
 
 
 def load_finished(trainer, checkpoint: str, step: int):
@@ -79,9 +85,12 @@ def load_finished(trainer, checkpoint: str, step: int):
 
     trainer._load_from_checkpoint(checkpoint)
     trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+    if trainer.state.train_batch_size is not None and trainer.args.auto_find_batch_size:
+        trainer._train_batch_size = trainer.state.train_batch_size  # (as the Trainer's resume takes it back)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    logger.info("%s is at step %d, the run's last (max_steps): its weights are loaded and nothing is trained (the "
-                "Trainer would train one step past the end). Raise max_steps to train further.", checkpoint, step)
+    logger.info("%s is at step %d, the run's last: its weights are loaded and nothing is trained (the Trainer would "
+                "train one step past the end). Raise max_steps (or num_train_epochs) to train further.", checkpoint,
+                step)
     return TrainOutput(step, sum(losses) / len(losses) if losses else float("nan"), {})
 
 
