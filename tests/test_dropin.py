@@ -307,6 +307,49 @@ def test_resuming_a_finished_run_takes_back_the_batch_size_it_found(tmp_path):
     assert found["ours"] == found["stock"] == (3, 3), found
 
 
+def test_resuming_a_finished_run_restores_the_callbacks_states(tmp_path):
+    """restore_callback_states_from_checkpoint: the callbacks' saved states come back as with the Trainer, also where
+    the checkpoint is the run's last and ours trains nothing (transformers' own stateful-callback tests resume so)."""
+    from transformers import EarlyStoppingCallback
+
+    stock, ours = pair(tmp_path, max_steps=2, save_strategy="steps", save_steps=2, eval_strategy="steps",
+                       eval_steps=2, load_best_model_at_end=True, restore_callback_states_from_checkpoint=True,
+                       trainer_kw=lambda model: {"callbacks": [EarlyStoppingCallback(early_stopping_patience=5)]})
+    patience = {}
+    for name, t in (("stock", stock), ("ours", ours)):
+        t.train()
+        again = type(t)(model=t.model, args=t.args, train_dataset=t.train_dataset, eval_dataset=t.eval_dataset,
+                        callbacks=[EarlyStoppingCallback()])
+        again.train(resume_from_checkpoint=True)
+        patience[name] = [c.early_stopping_patience for c in again.callback_handler.callbacks
+                          if isinstance(c, EarlyStoppingCallback)]
+    assert patience["ours"] == patience["stock"] == [5], patience
+
+
+# Figures no two runs share: the Trainer's own timings (its summary log), and what our training logs measure
+MEASURED = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss"} | (OUR_LOG_KEYS -
+                                                                                                   {"nonfinite_skipped"})
+
+
+def test_a_resumed_runs_history_is_the_uninterrupted_ones_but_the_measured_figures(tmp_path):
+    """transformers' own resume tests compare a resumed run's log history with the uninterrupted run's, leaving out
+    the Trainer's timings. Ours, with the streamed optimizer, holds that too, leaving out also the memory and
+    throughput figures our logs add (docs/differences.md)."""
+    import shutil
+
+    history = {}
+    for name in ("whole", "resumed"):
+        model, tok, train = tiny_setup(seq=32, layers=1)
+        args = args_for(tmp_path / name, Streamed, max_steps=4, save_strategy="steps", save_steps=2)
+        t = OffloadTrainer(model=model, args=args, train_dataset=train)
+        if name == "resumed":
+            shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / name / "checkpoint-2")
+        t.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-2") if name == "resumed" else None)
+        history[name] = [{k: v for k, v in h.items() if k not in MEASURED} for h in t.state.log_history]
+    assert len(history["whole"]) == 5 and any("tok_per_s" in h for h in t.state.log_history)
+    assert history["resumed"] == history["whole"]
+
+
 class GrowingBuffer(torch.nn.Module):
     """A model whose persistent buffer grows as it trains, and whose load_state_dict accepts any length of it."""
 

@@ -1,10 +1,12 @@
 """Every seam into transformers and accelerate that has no public hook, in one place, each reversible and with its
 reason. The Trainer's private names used here and in the mixin: `_tr_loss` and `_globalstep_last_logged` (the
 device loss filter), `_save_checkpoint`, `_get_output_dir`, `_save_optimizer_and_scheduler`,
-`_load_optimizer_and_scheduler` (checkpoint staging, staging.py), `_clip_grad_norm` / `_get_grad_norm` (clipping by
-the streamed optimizer); accelerate's `prepare_model` / `prepare_optimizer` (patched on this Trainer's accelerator
-only, while train() runs) and `ACCELERATE_BYPASS_DEVICE_MAP`; a model's `hf_device_map` (swapped layers); the
-forward of layers transformers leaves out of gradient checkpointing (`checkpoint_plain_stacks`)."""
+`_load_optimizer_and_scheduler` (checkpoint staging, staging.py), `_load_from_checkpoint`, `_load_callback_state`
+and `_train_batch_size` (a run's last checkpoint resumed without training, staging.py), `_clip_grad_norm` /
+`_get_grad_norm` (clipping by the streamed optimizer); accelerate's `prepare_model` / `prepare_optimizer` (patched
+on this Trainer's accelerator only, while train() runs) and `ACCELERATE_BYPASS_DEVICE_MAP`; a model's
+`hf_device_map` (swapped layers); the forward of layers transformers leaves out of gradient checkpointing
+(`checkpoint_plain_stacks`)."""
 from __future__ import annotations
 
 import contextlib

@@ -85,6 +85,11 @@ def load_finished(trainer, checkpoint: str, step: int):
 
     trainer._load_from_checkpoint(checkpoint)
     trainer.state = TrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+    # what the Trainer's loop does with a resumed state before its first step: a best checkpoint since removed is
+    # forgotten, the callbacks' saved states come back (restore_callback_states_from_checkpoint)
+    if trainer.state.best_model_checkpoint is not None and not os.path.isdir(trainer.state.best_model_checkpoint):
+        trainer.state.best_model_checkpoint = None
+    trainer._load_callback_state()
     if trainer.state.train_batch_size is not None and trainer.args.auto_find_batch_size:
         trainer._train_batch_size = trainer.state.train_batch_size  # (as the Trainer's resume takes it back)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
