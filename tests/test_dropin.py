@@ -282,7 +282,7 @@ def test_a_run_stopped_by_max_steps_resumes_by_epochs_as_the_trainer(tmp_path):
 
 
 class OutOfMemoryAt(TrainerCallback):
-    """A step at `batch` rows or more fails as CUDA's out-of-memory does (auto_find_batch_size then halves...)."""
+    """A step at `batch` rows or more fails as CUDA's out-of-memory does (auto_find_batch_size then retries at 0.9x)."""
 
     def __init__(self, batch):
         self.batch = batch
