@@ -573,15 +573,15 @@ def test_output_dir_is_the_model(tmp_path, capsys):
 
 def test_links_planted_in_output_dir(tmp_path, capsys):
     """A shared output_dir with a link planted at the name of every file the run writes there (lock, write probe,
-    model, config, tokenizer, training_args.bin, trainer_state.json, plots): the run replaces the links, and not
-    one byte is written through them."""
+    model, config, tokenizer, training_args.bin, trainer_state.json, run_figures.json, plots): the run replaces the
+    links, and not one byte is written through them."""
     case = Case(tmp_path, "overwrite_output_dir: true\n")
     victims = tmp_path / "victims"
     victims.mkdir()
     case.out.mkdir()
     names = [".offload-trainer.lock", f".write-probe-{os.getpid()}", "model.safetensors", "config.json",
              "generation_config.json", "tokenizer.json", "tokenizer_config.json", "training_args.bin",
-             "trainer_state.json", "loss.png", "throughput.png", "memory.png"]
+             "trainer_state.json", "run_figures.json", "loss.png", "throughput.png", "memory.png"]
     for name in names:
         (victims / name).write_text("not yours")
         (case.out / name).symlink_to(victims / name)

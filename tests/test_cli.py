@@ -32,12 +32,12 @@ def test_train_tiny_config_end_to_end(tmp_path, monkeypatch):
     # the plots of the run, read back: a real picture, and the series it drew is the logged one
     import matplotlib.image
 
-    from offload_trainer.cli.report import series, trainer_state
+    from offload_trainer.cli.report import history, series
 
     for name in ("loss.png", "throughput.png", "memory.png"):
         img = matplotlib.image.imread(out / name)
         assert img.shape[0] > 100 and img.std() > 0.01
-    steps, values = series(trainer_state(str(out)), "loss")
+    steps, values = series(history(str(out)), "loss")
     assert steps == [3, 6] and values == losses
 
 

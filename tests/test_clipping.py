@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import tiny_setup
-from offload_trainer import OffloadTrainer, OffloadTrainingArguments
+from offload_trainer import OffloadTrainer, OffloadTrainingArguments, run_history
 
 
 def train(tmp_path, name, *, speculative, max_grad_norm, accum=1, steps=12, **kw):
@@ -20,7 +20,7 @@ def train(tmp_path, name, *, speculative, max_grad_norm, accum=1, steps=12, **kw
         seed=0, **kw)
     trainer = OffloadTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
     trainer.train()
-    return trainer, [h for h in trainer.state.log_history if "loss" in h]
+    return trainer, [h for h in run_history(trainer) if "loss" in h]
 
 
 SWAP_AND_OFFLOAD = dict(layer_swap="1", activation_offload=True, activation_checkpointing=True)
@@ -89,7 +89,7 @@ def test_a_nan_loss_is_rolled_back_and_skipped(tmp_path):
 
     trainer.add_callback(Snap())
     trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
+    logs = [h for h in run_history(trainer) if "loss" in h]
     counts = trainer._run.optimizer.clip_counts
     assert logs[-1]["nonfinite_skipped"] == 1 and counts["nonfinite"] == 1 and counts["exact"] == 0
     assert all(torch.equal(a, b) for a, b in zip(seen[3], seen[4]))  # step 4 (the NaN) changed nothing

@@ -1,7 +1,6 @@
 """Data parallel with sharded offloaded states (distributed.py + StreamedAdamW8bit(sharding=...)), on CPU
 with the gloo backend and 2 processes, against one process that accumulates the same micro-batches."""
 import contextlib
-import json
 import os
 
 import pytest
@@ -10,6 +9,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from offload_trainer.engine.distributed import Sharding, assign_owners
+from offload_trainer.trainer.run_history import run_history
 from offload_trainer.engine.optim import StreamedAdamW8bit
 from tiny_models import TinyLM, param_groups
 
@@ -237,8 +237,8 @@ def test_two_ranks_with_accumulation(gloo_runs, mode):
 
 
 def _history(out) -> list[dict]:
-    """The run's log history (trainer_state.json)."""
-    return json.loads((out / "trainer_state.json").read_text())["log_history"]
+    """The run's log history (trainer_state.json) with our figures (run_figures.json)."""
+    return run_history(str(out))
 
 
 def _losses(out) -> dict[int, float]:

@@ -13,10 +13,11 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from helpers import tiny_setup
-from offload_trainer import OffloadTrainer, OffloadTrainingArguments, StreamedAdamW8bit
+from offload_trainer import OffloadTrainer, OffloadTrainingArguments, StreamedAdamW8bit, run_history
 from offload_trainer.errors import ConfigError
 
-# Keys our training logs add to the Trainer's (throughput and memory; the README lists them).
+# Keys our training logs add to the Trainer's (throughput and memory; the README lists them): in the logs the callbacks
+# get and in run_figures.json, never in the Trainer's log history.
 OUR_LOG_KEYS = {"tok_per_s", "host_rss_gib", "gpu_peak_gib", "pcie_gb_per_s", "host_pinned_gib", "gpu_stall_ms",
                 "nonfinite_skipped"}
 
@@ -115,16 +116,30 @@ def test_schedulers_log_and_checkpoint_floats_as_the_trainer_does(tmp_path, sche
         assert lrs[-1] < lrs[0]  # the plateau did act
 
 
-def test_log_history_has_the_trainers_keys_and_types_plus_ours(tmp_path):
-    stock, ours = pair(tmp_path, max_grad_norm=1.0)
+def test_log_history_has_the_trainers_keys_and_types_and_ours_come_beside_it(tmp_path):
+    """The log history is the Trainer's (its keys, their types); our figures go to the callbacks with each training
+    log and into run_figures.json, and run_history() puts them together."""
+    stock, ours = pair(tmp_path, max_grad_norm=1.0, save_strategy="steps", save_steps=3)
+    seen = []
+
+    class Seen(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            seen.append(dict(logs))
+
+    ours.add_callback(Seen())
     for t in (stock, ours):
         t.train()
     assert len(stock.state.log_history) == len(ours.state.log_history)
     for a, b in zip(stock.state.log_history, ours.state.log_history):
-        assert set(b) - set(a) <= OUR_LOG_KEYS, set(b) - set(a)
-        assert set(a) <= set(b)
+        assert set(b) == set(a)
         for k in a:
             assert type(a[k]) is type(b[k]), (k, a[k], b[k])
+    train = [h for h in run_history(ours) if "loss" in h]
+    assert len(train) == 6 and all({"tok_per_s", "host_rss_gib"} <= set(h) <= set(train_logs(stock)[0]) | OUR_LOG_KEYS
+                                   for h in train)
+    assert [h for h in seen if "loss" in h] == [{k: v for k, v in h.items() if k != "step"} for h in train]
+    saved = run_history(str(tmp_path / "ours" / "checkpoint-6"))  # (a checkpoint's state: its figures beside it)
+    assert saved == [h for h in run_history(ours) if "train_runtime" not in h]
     (first_a, *_), (first_b, *_) = train_logs(stock), train_logs(ours)
     assert first_b["loss"] == pytest.approx(first_a["loss"], rel=1e-5)  # the same start: before any update
     assert first_b["grad_norm"] == pytest.approx(first_a["grad_norm"], rel=1e-4)
@@ -326,18 +341,17 @@ def test_resuming_a_finished_run_restores_the_callbacks_states(tmp_path):
     assert patience["ours"] == patience["stock"] == [5], patience
 
 
-# Figures no two runs share: the Trainer's own timings (its summary log), and what our training logs measure
-MEASURED = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss"} | (OUR_LOG_KEYS -
-                                                                                                   {"nonfinite_skipped"})
+# Figures no two runs share in the Trainer's log history: its own timings (its summary log)
+TIMINGS = {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss"}
 
 
-def test_a_resumed_runs_history_is_the_uninterrupted_ones_but_the_measured_figures(tmp_path):
+def test_a_resumed_runs_history_is_the_uninterrupted_ones(tmp_path):
     """transformers' own resume tests compare a resumed run's log history with the uninterrupted run's, leaving out
-    the Trainer's timings. Ours, with the streamed optimizer, holds that too, leaving out also the memory and
-    throughput figures our logs add (docs/differences.md)."""
+    the Trainer's timings. Ours, with the streamed optimizer, holds that too: our measured figures (tok/s, memory)
+    are kept beside the history, and the resumed run has those of the checkpoint's steps and its own."""
     import shutil
 
-    history = {}
+    history, figures = {}, {}
     for name in ("whole", "resumed"):
         model, tok, train = tiny_setup(seq=32, layers=1)
         args = args_for(tmp_path / name, Streamed, max_steps=4, save_strategy="steps", save_steps=2)
@@ -345,9 +359,11 @@ def test_a_resumed_runs_history_is_the_uninterrupted_ones_but_the_measured_figur
         if name == "resumed":
             shutil.copytree(tmp_path / "whole" / "checkpoint-2", tmp_path / name / "checkpoint-2")
         t.train(resume_from_checkpoint=str(tmp_path / name / "checkpoint-2") if name == "resumed" else None)
-        history[name] = [{k: v for k, v in h.items() if k not in MEASURED} for h in t.state.log_history]
-    assert len(history["whole"]) == 5 and any("tok_per_s" in h for h in t.state.log_history)
-    assert history["resumed"] == history["whole"]
+        history[name] = [{k: v for k, v in h.items() if k not in TIMINGS} for h in t.state.log_history]
+        figures[name] = [h for h in run_history(t) if "tok_per_s" in h]
+    assert len(history["whole"]) == 5 and history["resumed"] == history["whole"]
+    assert [h["step"] for h in figures["resumed"]] == [1, 2, 3, 4]
+    assert figures["resumed"][:2] == figures["whole"][:2]  # (the checkpoint's, as measured then)
 
 
 class GrowingBuffer(torch.nn.Module):

@@ -1,6 +1,5 @@
 """Where fine-tuners already work: the Trainer's experiment trackers receive our per-step figures, `accelerate launch`
 runs what torchrun runs, and a DeepSpeed / FSDP launch is refused with the switch to turn off."""
-import json
 import os
 import re
 import shlex
@@ -11,10 +10,11 @@ import pytest
 
 from cli_cases import stderr_of
 from offload_trainer import cli
+from offload_trainer.trainer.run_history import run_history
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-# Our figures in a training log (run_logs.add_run_figures); on a GPU also gpu_peak_gib, pcie_gb_per_s,
-# host_pinned_gib and gpu_stall_ms, from the same dict.
+# Our figures in a training log (run_logs.add_run_figures: in the callbacks' logs and run_figures.json); on a GPU
+# also gpu_peak_gib, pcie_gb_per_s, host_pinned_gib and gpu_stall_ms, from the same dict.
 OURS = {"tok_per_s", "host_rss_gib", "gpu_peak_gib", "host_pinned_gib", "pcie_gb_per_s", "gpu_stall_ms",
         "nonfinite_skipped"}
 
@@ -32,7 +32,7 @@ def test_tensorboard_receives_the_run_figures_as_scalars(tmp_path):
     acc = EventAccumulator(os.path.dirname(events[0]))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    logged = [h for h in json.loads((out / "trainer_state.json").read_text())["log_history"] if "loss" in h]
+    logged = [h for h in run_history(str(out)) if "loss" in h]
     ours = OURS & set(logged[0])
     assert {"tok_per_s", "host_rss_gib"} <= ours  # (what a CPU run logs)
     assert {"train/loss", *(f"train/{k}" for k in ours)} <= tags, sorted(tags)
@@ -163,7 +163,7 @@ def test_a_model_keeps_saving_in_shards_across_the_trainers_own_saves(tmp_path):
     """The axolotl plugin's save seam: axolotl saves the finished model with `model.save_pretrained`, so the model
     itself carries the Trainer's shard size (a whole 8B model in one default 50 GB shard was gathered in host memory
     at once); the Trainer's own saves, which set the same seam for their duration, leave it in place."""
-    import json as json_
+    import json
 
     from helpers import tiny_setup
     from offload_trainer.trainer.seams import saving_in_shards, smaller_shards
@@ -174,7 +174,7 @@ def test_a_model_keeps_saving_in_shards_across_the_trainers_own_saves(tmp_path):
         assert model.save_pretrained is not ours
     assert model.save_pretrained is ours
     model.save_pretrained(tmp_path / "m")
-    index = json_.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
     shards = {os.path.getsize(tmp_path / "m" / f) for f in set(index["weight_map"].values())}
     assert len(shards) > 1 and max(shards) < 2 * 200_000  # (a tensor bigger than the size gets a shard of its own)
     model.save_pretrained(tmp_path / "whole", max_shard_size="1GB")  # the caller's size still wins

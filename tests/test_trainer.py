@@ -7,7 +7,7 @@ import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from helpers import tiny_setup
-from offload_trainer import OffloadTrainer, OffloadTrainingArguments, StreamedAdamW8bit
+from offload_trainer import OffloadTrainer, OffloadTrainingArguments, StreamedAdamW8bit, run_history
 
 
 def losses_of(trainer):
@@ -42,7 +42,7 @@ def test_script_written_for_trainer_runs_unchanged(tmp_path, asked, caplog):
                    for r in caplog.records) == 1
     losses = losses_of(trainer)
     assert len(losses) == 3 and losses[-1] < losses[0]
-    logged = [h for h in trainer.state.log_history if "loss" in h][-1]
+    logged = [h for h in run_history(trainer) if "loss" in h][-1]
     assert logged["tok_per_s"] > 0 and logged["grad_norm"] > 0
 
 
@@ -58,7 +58,7 @@ def test_logs_trim_host_memory_at_most_once_in_ten_steps(tmp_path, monkeypatch):
                                     logging_steps=1, save_strategy="no", report_to="none")
     trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
     trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
+    logs = [h for h in run_history(trainer) if "loss" in h]
     assert len(logs) == 23 and all(h["host_rss_gib"] > 0 for h in logs)
     assert len(trims) == 3  # steps 1, 11, 21
     assert run_logs.TRIM_EVERY_STEPS == 10
@@ -265,7 +265,7 @@ def test_nonfinite_step_is_skipped_with_weights_and_states_unchanged(tmp_path, m
     w5, _ = snap.after[5]
     assert not all(torch.equal(w4[n], w5[n]) for n in w4)  # and training went on
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
-    assert trainer.state.log_history[-2]["nonfinite_skipped"] == 1
+    assert run_history(trainer)[-2]["nonfinite_skipped"] == 1
 
 
 @pytest.mark.parametrize("optim, extra", [("sgd", {}), ("adamw_torch", dict(offload_optimizer=False))],
@@ -371,7 +371,7 @@ def test_gpu_logs_show_pcie_pinned_and_stall_with_layer_swap(tmp_path):
     args._n_gpu = min(args.n_gpu, 1)  # one GPU, as CUDA_VISIBLE_DEVICES=0 would give on a machine with several
     trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
     trainer.train()
-    logs = [h for h in trainer.state.log_history if "loss" in h]
+    logs = [h for h in run_history(trainer) if "loss" in h]
     assert len(logs) == 3 and logs[-1]["loss"] < logs[0]["loss"]
     # (a 0.2 M-parameter model moves a few MB per step: the logged GB/s and GiB round to ~0, so check the counters)
     assert all(h["pcie_gb_per_s"] >= 0 and h["host_pinned_gib"] >= 0 and h["gpu_stall_ms"] >= 0 for h in logs)
@@ -508,7 +508,7 @@ def test_saves_and_evaluations_are_not_counted_in_tok_per_s(tmp_path, monkeypatc
 
     monkeypatch.setattr(trainer_mod.OffloadMixin, "_save_checkpoint_staged", slow)
     trainer.train()
-    tok_s = [h["tok_per_s"] for h in trainer.state.log_history if "loss" in h]
+    tok_s = [h["tok_per_s"] for h in run_history(trainer) if "loss" in h]
     # the interval of step 4 holds the 2 s save at step 3: counted, its tok/s would be under a fifth of the others
     assert len(tok_s) == 3 and tok_s[1] > 0.4 * min(tok_s[0], tok_s[2])
 

@@ -5,7 +5,7 @@ import torch
 trl = pytest.importorskip("trl", reason="TRL is an optional extra: pip install 'offload-trainer[trl]'")
 
 from helpers import tiny_setup  # noqa: E402
-from offload_trainer import StreamedAdamW8bit  # noqa: E402
+from offload_trainer import StreamedAdamW8bit, run_history  # noqa: E402
 from offload_trainer.trl import OffloadSFTConfig, OffloadSFTTrainer  # noqa: E402
 
 
@@ -54,7 +54,7 @@ def _dpo(tmp_path, trainer_cls, config_cls, **kw):
     trainer = trainer_cls(model=model, ref_model=copy.deepcopy(model).eval(), args=args, train_dataset=ds,
                           processing_class=tok)
     trainer.train()
-    return trainer, [h for h in trainer.state.log_history if "loss" in h]
+    return trainer, [h for h in run_history(trainer) if "loss" in h]
 
 
 def test_dpo_trainer_with_offload_follows_trls_own(tmp_path):

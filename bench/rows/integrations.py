@@ -167,7 +167,9 @@ def listen(path: str) -> None:
     trainer_log = transformers.Trainer.log
 
     def log(self, logs, *args, **kwargs):
-        rec = {**logs, "_step": self.state.global_step, "_t": time.perf_counter()}
+        t = time.perf_counter()
+        done = trainer_log(self, logs, *args, **kwargs)  # (our figures join `logs` as the callbacks get it)
+        rec = {**logs, "_step": self.state.global_step, "_t": t}
         swap = getattr(getattr(self, "_run", None), "swap", None)
         if swap is not None:  # (layer swap: decoder layers on the GPU now)
             rec["_resident"] = swap.resident
@@ -176,7 +178,7 @@ def listen(path: str) -> None:
             rec["_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        return trainer_log(self, logs, *args, **kwargs)
+        return done
 
     transformers.Trainer.log = log
 

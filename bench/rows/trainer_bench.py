@@ -17,7 +17,6 @@ gpu_memory_limit_gb=` on the uncapped GPU.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import statistics
@@ -180,6 +179,7 @@ def main() -> None:
 
     from offload_trainer.cli import main as cli_main
     from offload_trainer.cli.config import load_config, parse_args
+    from offload_trainer.trainer.run_history import run_history
 
     model_args, data_args, args = parse_args(load_config(a.config, a.overrides))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -230,8 +230,7 @@ def main() -> None:
         if rc:
             row["error"] = f"offload-trainer exited with {rc}"
         else:
-            with open(os.path.join(args.output_dir, "trainer_state.json")) as f:
-                logs = json.load(f)["log_history"]
+            logs = run_history(args.output_dir)  # (the Trainer's log history with our figures: tok/s, memory)
             extra = row["extra"]
             # (the profiled steps ran slower, and the next one writes the trace or runs under cProfile: left out)
             slowed = range(a.skip + 1, a.skip + 2 + a.profile_steps) if a.profile_steps or a.cprofile else range(0)

@@ -97,7 +97,8 @@ RUN_NAMES = re.compile(
     r"|config\.json|generation_config\.json|adapter_config\.json"
     r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)"
     r"|merges\.txt|chat_template\.(jinja|json)|(pre)?processor_config\.json|video_preprocessor_config\.json"
-    r"|trainer_state\.json|training_args\.bin|(train|eval|all)_results\.json|(loss|throughput|memory)\.png)$")
+    r"|trainer_state\.json|run_figures\.json|training_args\.bin|(train|eval|all)_results\.json"
+    r"|(loss|throughput|memory)\.png)$")
 
 
 @contextlib.contextmanager

@@ -319,9 +319,7 @@ def write_outputs(trainer, tokenizer, model_args) -> None:
         check_space(args.output_dir, final_output_bytes(model_args, trainer.model.config), "the trained model")
     try:
         trainer.save_model()
-        if trainer.is_world_process_zero():  # (Trainer.save_state's file, written without following a link)
-            with staged_save(args.output_dir, "the trainer state") as staging:
-                trainer.state.save_to_json(os.path.join(staging, "trainer_state.json"))
+        trainer.save_state()  # (ours: trainer_state.json and run_figures.json, written without following a link)
         if model_args.lora_r and getattr(model_args, "load_in_4bit", False):
             how = (f"into the bf16 base, one shard at a time: offload-trainer merge {args.output_dir} --base "
                    f"{model_args.model_name_or_path}" if model_args.model_name_or_path else

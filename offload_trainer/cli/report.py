@@ -2,17 +2,17 @@
 
     offload-trainer report OUTPUT_DIR       (also written at the end of `offload-trainer train`)
 
-Reads `trainer_state.json` (the run's log history): nothing else is needed, so it works on any finished or
-interrupted run, and on runs of the plain Trainer too (fewer series). From Python, `summary(trainer)` and
-`write_report(output_dir, trainer)` read a live Trainer's state instead (a run that never saved has no file).
+Reads `trainer_state.json` (the run's log history) and `run_figures.json` (our figures of each training log:
+trainer/run_history.py): nothing else is needed, so it works on any finished or interrupted run, and on runs of the
+plain Trainer too (fewer series). From Python, `summary(trainer)` and `write_report(output_dir, trainer)` read a live
+Trainer's state instead (a run that never saved has no file).
 """
 from __future__ import annotations
 
-import json
 import os
 
-from ..trainer.checkpoint import checkpoint_steps
 from ..trainer.outputs import staged_save
+from ..trainer.run_history import run_history
 
 SERIES = {
     "loss.png": [("loss", "train loss"), ("eval_loss", "eval loss")],
@@ -22,38 +22,24 @@ SERIES = {
 }
 
 
-def trainer_state(output_dir: str) -> dict:
-    path = os.path.join(output_dir, "trainer_state.json")
-    if not os.path.isfile(path):  # an interrupted run: the newest checkpoint's state
-        names = checkpoint_steps(output_dir) if os.path.isdir(output_dir) else {}
-        ckpts = [s for n in names if os.path.isfile(s := os.path.join(output_dir, n, "trainer_state.json"))]
-        if not ckpts:
-            raise FileNotFoundError(f"no trainer_state.json in {output_dir} or its checkpoints: a Python run writes it "
-                                    f"with trainer.save_state() (offload-trainer train does), or report from the "
-                                    f"script with offload_trainer.cli.report.summary(trainer)")
-        path = ckpts[-1]
-    with open(path) as f:
-        return json.load(f)
-
-
-def _state_of(source) -> dict:
-    """A trainer_state dict from an output directory, a Trainer (its live state) or a state dict."""
-    if isinstance(source, str):
-        return trainer_state(source)
-    state = getattr(source, "state", source)
-    return {"log_history": list(getattr(state, "log_history", None) or state.get("log_history", []))}
+def history(source) -> list[dict]:
+    """A run's log history with our figures in its training logs, from an output directory or a Trainer (its live
+    state: run_history), or a trainer_state dict."""
+    if isinstance(source, dict):
+        return list(source.get("log_history", []))
+    return run_history(source)
 
 
 def summary(source) -> str:
     """A few lines on a run: steps, loss from first to last, evaluation, throughput, memory, PCIe, stalls."""
     import statistics
 
-    history = _state_of(source).get("log_history", [])
-    train = [h for h in history if "loss" in h]
+    logs = history(source)
+    train = [h for h in logs if "loss" in h]
     if not train:
         return "no training logs yet (logging_steps sets how often the Trainer logs)"
     lines = [f"steps       {train[-1].get('step', '?')}, train loss {train[0]['loss']:.4f} -> {train[-1]['loss']:.4f}"]
-    evals = [h["eval_loss"] for h in history if "eval_loss" in h]
+    evals = [h["eval_loss"] for h in logs if "eval_loss" in h]
     if evals:
         lines.append(f"eval loss   {evals[-1]:.4f}" + (f" (first {evals[0]:.4f})" if len(evals) > 1 else ""))
 
@@ -82,25 +68,25 @@ def summary(source) -> str:
     return "\n".join(lines)
 
 
-def series(state: dict, key: str) -> tuple[list[int], list[float]]:
-    pts = [(h["step"], h[key]) for h in state.get("log_history", []) if key in h and "step" in h]
+def series(logs: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(h["step"], h[key]) for h in logs if key in h and "step" in h]
     return [s for s, _ in pts], [v for _, v in pts]
 
 
 def write_report(output_dir: str, source=None) -> list[str]:
-    """Write the PNGs that have data into `output_dir` (from its trainer_state.json, or `source`: a Trainer or a
-    state dict); returns their paths."""
+    """Write the PNGs that have data into `output_dir` (from its trainer_state.json and run_figures.json, or
+    `source`: a Trainer or a state dict); returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    state = _state_of(source if source is not None else output_dir)
+    logs = history(source if source is not None else output_dir)
     title = os.path.basename(os.path.abspath(output_dir))
     written = []
     with staged_save(output_dir, "the plots") as staging:  # (moved into place, never written through a planted link)
         for name, keys in SERIES.items():
-            lines = [(label, *series(state, key)) for key, label in keys]
+            lines = [(label, *series(logs, key)) for key, label in keys]
             lines = [ln for ln in lines if ln[1]]
             if not lines:
                 continue

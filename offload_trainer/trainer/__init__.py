@@ -4,7 +4,8 @@
   (plan, swap, optimizer, non-finite counters, interrupt); `wiring.py`: what the shell builds from the settings;
 - `seams.py`: every seam into transformers / accelerate without a public hook, with its reason;
 - `staging.py` / `checkpoint.py` / `outputs.py`: checkpoints and final saves, published atomically;
-- `guards.py`: signals and non-finite steps; `run_logs.py`: throughput and memory in the logs.
+- `guards.py`: signals and non-finite steps; `run_logs.py`: throughput and memory in the logs; `run_history.py`:
+  those figures saved beside the Trainer's log history (`run_history()` reads both back as one).
 """
 __all__ = ["OffloadMixin", "OffloadTrainer"]
 

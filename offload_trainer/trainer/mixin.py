@@ -11,6 +11,7 @@ import contextlib
 import copy
 import logging
 import math
+import os
 import time
 import warnings
 
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from . import guards, run_logs, seams, staging, wiring
+from . import guards, run_history, run_logs, seams, staging, wiring
 from ..engine.activations import enable_activation_offload
 from ..settings import OffloadSettings
 from .args import OffloadFields, offload_conflict, several_gpus_conflict, streams_optimizer
@@ -126,6 +127,7 @@ class OffloadMixin:
             run.swap.offload_all()
             run.swap.synchronize()
         last = staging.finished_at(self, resume_from_checkpoint) if resume_from_checkpoint else None
+        run.figures = run_history.load_figures(resume_from_checkpoint) if resume_from_checkpoint else []
         if last is not None:
             return staging.load_finished(self, resume_from_checkpoint, last)
         # Trainer.train() (re)enables plain checkpointing before its loop; ours goes on top at the first step.
@@ -137,7 +139,8 @@ class OffloadMixin:
         with guards.signals_stop_cleanly(run, self.state, self.args.output_dir), \
                 seams.no_ddp_wrapper(self.accelerator, run), seams.optimizer_not_moved(self.accelerator), \
                 seams.loss_filter_on_device(self.args, run, on_device=self._filters_loss_on_device()), \
-                seams.step_decisions(self.callback_handler, self._on_step_begin, self._on_step_end):
+                seams.step_decisions(self.callback_handler, self._on_step_begin, self._on_step_end), \
+                seams.figures_to_callbacks(self.callback_handler, self._add_figures):
             result = super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         # The last step's updates may still be queued (they wait for a next forward): the model a caller reads after
         # train() is its final one, as with the Trainer's own optimizer.
@@ -331,10 +334,16 @@ class OffloadMixin:
                 self.args.logging_nan_inf_filter = False
 
     # -------------------------------------------------------------- logs
-    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs:  # a training log: throughput and memory beside the Trainer's figures
-            run_logs.add_run_figures(self._run, logs, self.state.global_step)
-        super().log(logs, start_time)
+    def _add_figures(self, state, logs) -> None:  # a training log: throughput and memory beside the Trainer's
+        run_logs.add_run_figures(self._run, logs, state.global_step)
+
+    def save_state(self):
+        """The Trainer's trainer_state.json and our figures beside it (run_history.py), moved into output_dir when
+        written (the Trainer's own save_state writes through a link planted at that name)."""
+        if self.is_world_process_zero():
+            with staged_save(self.args.output_dir, "the trainer state") as staging:
+                self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
+                run_history.save_figures(self._run, staging)
 
 
 class OffloadTrainer(OffloadMixin, Trainer):

@@ -1,5 +1,7 @@
-"""The figures a training log gets beside the Trainer's (throughput, host and GPU memory, PCIe traffic, stalls) and
-the one greppable line per log: `step N | loss | tok/s | ...` (on a CPU, what applies there)."""
+"""The figures a training log gets beside the Trainer's (throughput, host and GPU memory, PCIe traffic, stalls,
+skipped and clipped steps) and the one greppable line per log: `step N | loss | tok/s | ...` (on a CPU, what applies
+there). They go to the callbacks with the Trainer's figures and into `run.figures` (run_history.py: saved beside
+trainer_state.json, never in its log history)."""
 from __future__ import annotations
 
 import logging
@@ -18,8 +20,17 @@ TRIM_EVERY_STEPS = 10
 
 
 def add_run_figures(run: RunState, logs: dict, global_step: int) -> None:
-    """A training log's throughput and memory figures, and the one line the run logs for it."""
+    """A training log's figures added to `logs` and kept in `run.figures`, and the one line the run logs for it."""
+    figures = run_figures(run, logs, global_step)
+    logs.update(figures)
+    run.figures.append({"step": global_step, **figures})
+
+
+def run_figures(run: RunState, logs: dict, global_step: int) -> dict:
+    """The figures of a training log (`logs`: the Trainer's, with its loss), and the one line the run logs for it."""
     c = run.log
+    logs = dict(logs)  # (the line reads the Trainer's figures and ours; the figures alone are returned)
+    given = set(logs)
     now = time.perf_counter()
     dt = max(now - c.since - c.paused_s, 1e-9)
     c.paused_s = 0.0
@@ -57,6 +68,7 @@ def add_run_figures(run: RunState, logs: dict, global_step: int) -> None:
                     100 * logs["clip_rate"], logs["clip_steps"], logs["redone_steps"], logs["exact_clip_steps"])
     c.tokens = 0
     c.since = now
+    return {k: v for k, v in logs.items() if k not in given}
 
 
 def _clip_figures(run: RunState, logs: dict) -> None:

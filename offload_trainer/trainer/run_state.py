@@ -1,7 +1,7 @@
 """What one run of the Trainer shell holds, in one object owned by the mixin (`OffloadMixin._run`): the resolved
 settings, the plan, the mechanisms built for the model (layer swap, the streamed optimizer, activation offload), the
-non-finite counters, the interrupt, the log's counters. The shell's modules (wiring, guards, run_logs, staging,
-seams) read and change the run through it, never through the Trainer's attributes."""
+non-finite counters, the interrupt, the log's counters and figures. The shell's modules (wiring, guards, run_logs,
+staging, seams) read and change the run through it, never through the Trainer's attributes."""
 from __future__ import annotations
 
 import time
@@ -65,6 +65,7 @@ class RunState:
         self.nonfinite = NonFiniteSteps(check=settings.check_nonfinite, limit=settings.max_nonfinite_steps)
         self.interrupted: int | None = None  # the signal that asked training to stop
         self.log = LogCounters()
+        self.figures: list[dict] = []  # each training log's figures ({"step": N, ...}: run_logs.py)
         self.staging_dir: str | None = None  # set while a checkpoint is written (staging.save_checkpoint)
         self.step_batches: list = []  # speculative clipping: this optimizer step's micro-batches, for a redo
         self.said: set[str] = set()  # one-time log lines already said

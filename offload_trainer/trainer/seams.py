@@ -3,7 +3,8 @@ reason. The Trainer's private names used here and in the mixin: `_tr_loss` and `
 device loss filter), `_save_checkpoint`, `_get_output_dir`, `_save_optimizer_and_scheduler`,
 `_load_optimizer_and_scheduler` (checkpoint staging, staging.py), `_load_from_checkpoint`, `_load_callback_state`
 and `_train_batch_size` (a run's last checkpoint resumed without training, staging.py), `_clip_grad_norm` /
-`_get_grad_norm` (clipping by the streamed optimizer); accelerate's `prepare_model` / `prepare_optimizer` (patched
+`_get_grad_norm` (clipping by the streamed optimizer); the callback handler's `on_log` (our figures beside the
+Trainer's, kept out of its log history); accelerate's `prepare_model` / `prepare_optimizer` (patched
 on this Trainer's accelerator only, while train() runs) and `ACCELERATE_BYPASS_DEVICE_MAP`; a model's
 `hf_device_map` (swapped layers); the forward of layers transformers leaves out of gradient checkpointing
 (`checkpoint_plain_stacks`)."""
@@ -155,6 +156,23 @@ def step_decisions(handler, begin, end):
         return control
 
     with overridden(handler, "on_step_begin", begin_with_ours), overridden(handler, "on_step_end", end_with_ours):
+        yield
+
+
+@contextlib.contextmanager
+def figures_to_callbacks(handler, add):
+    """While train() runs, a training log (one with a loss) gets our figures (`add(state, logs)`: run_logs) just
+    before the callbacks see it. The Trainer's `log()` has by then appended its own copy to `state.log_history`, which
+    so stays the Trainer's alone (a resumed run's history equals the uninterrupted one's, as the Trainer's does), while
+    the console, TensorBoard and W&B get one log with both. A wrapper of the handler, as step_decisions."""
+    on_log = handler.on_log
+
+    def on_log_with_ours(args, state, control, logs):
+        if "loss" in logs:
+            add(state, logs)
+        return on_log(args, state, control, logs)
+
+    with overridden(handler, "on_log", on_log_with_ours):
         yield
 
 

@@ -15,7 +15,7 @@ from ..engine.sizes import state_bytes
 from ..errors import CheckpointError, StorageError
 from .checkpoint import (check_checkpoint, clean_staging, load_optimizer_states, newest_complete_checkpoint,
                          optimizer_shard_name, write_checksums)
-from . import resume_changes
+from . import resume_changes, run_history
 from .outputs import STAGING_PREFIX, check_space, disk_full, free_bytes, publish, remove_staging
 from .run_state import RunState
 from .wiring import row_tokens
@@ -134,6 +134,7 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
         save(model, trial)
         trainer.accelerator.wait_for_everyone()  # every rank's optimizer shard and RNG state is written
         if main:
+            run_history.save_figures(run, os.path.join(staging, name))  # (beside trainer_state.json, resumed with it)
             resume_changes.record(os.path.join(staging, name), trainer.args, row_tokens(trainer, run),
                                   training_rows(trainer))
             write_checksums(os.path.join(staging, name))
