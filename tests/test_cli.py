@@ -159,6 +159,23 @@ def test_report_prints_a_summary_and_says_what_to_do_without_a_state(tmp_path, c
     assert summary(state) in out
 
 
+def test_report_reads_the_figures_beside_the_trainer_state(tmp_path, capsys):
+    """A run of ours: the Trainer's log history in trainer_state.json, our figures in run_figures.json (by step). The
+    report puts them together; an unreadable figures file leaves the summary without them, not a traceback."""
+    state = {"log_history": [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0}, {"step": 2, "eval_loss": 3.5}]}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    figures = {"figures": [{"step": 1, "tok_per_s": 90.0, "host_rss_gib": 0.5},
+                           {"step": 2, "tok_per_s": 100.0, "host_rss_gib": 0.625}]}
+    (tmp_path / "run_figures.json").write_text(json.dumps(figures))
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "100 tok/s" in out and "host RSS 0.62 GiB" in out and (tmp_path / "throughput.png").is_file()
+    (tmp_path / "run_figures.json").write_text('{"figures": [{"step"')
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "train loss 5.0000 -> 4.0000" in out and "tok/s" not in out
+
+
 def test_train_reads_the_model_config_once(tmp_path, monkeypatch):
     """The plan before any weight and the vision check share one read of the model's config (config.json of a
     checkpoint may be remote)."""
