@@ -646,7 +646,7 @@ def test_every_row_has_a_test():
     assert len(rows) >= 20
     here = "".join((Path(__file__).parent / f).read_text()
                    for f in ("test_bad_inputs.py", "test_faults.py", "test_qlora_outputs.py", "data/test_vision.py",
-                             "data/test_data.py", "test_dropin.py"))
+                             "data/test_data.py", "test_dropin.py", "test_cli.py"))
     from test_faults import DATA_ROWS, MODEL_ROWS, ROWS as FAULT_ROWS, TRAINS
 
     tested = set(CONFIG_ROWS) | set(FAULT_ROWS) | set(MODEL_ROWS) | set(DATA_ROWS) | set(TRAINS)

@@ -176,6 +176,28 @@ def test_report_reads_the_figures_beside_the_trainer_state(tmp_path, capsys):
     assert "train loss 5.0000 -> 4.0000" in out and "tok/s" not in out
 
 
+@pytest.mark.parametrize("text", ["{ cut", "[1, 2]", '{"log_history": 5}'])
+def test_report_of_a_damaged_trainer_state(tmp_path, capsys, text):
+    """trainer_state.json cut short, not a mapping, or a history that is not a list: a sentence naming the file and
+    where else the history is (was a raw JSONDecodeError / AttributeError)."""
+    (tmp_path / "trainer_state.json").write_text(text)
+    assert cli.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "trainer_state.json cannot be read as a Trainer state" in err and "checkpoint-N" in err
+    assert "Traceback" not in err
+
+
+def test_report_leaves_out_values_that_are_not_numbers(tmp_path, capsys):
+    """A hand-edited history with a string where a figure should be: those values are left out of the summary and
+    the plots (was a raw ValueError from the format)."""
+    state = {"log_history": [{"step": 1, "loss": "x"}, {"step": 2, "loss": 2.0, "tok_per_s": "fast"},
+                             {"step": "3", "loss": 1.5}, {"step": 4, "loss": 1.0, "tok_per_s": 50.0}]}
+    (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    assert cli.main(["report", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "train loss 2.0000 -> 1.0000" in out and "50 tok/s" in out
+
+
 def test_train_reads_the_model_config_once(tmp_path, monkeypatch):
     """The plan before any weight and the vision check share one read of the model's config (config.json of a
     checkpoint may be remote)."""

@@ -35,20 +35,20 @@ def summary(source) -> str:
     import statistics
 
     logs = history(source)
-    train = [h for h in logs if "loss" in h]
+    train = [h for h in logs if _number(h.get("loss"))]
     if not train:
         return "no training logs yet (logging_steps sets how often the Trainer logs)"
     lines = [f"steps       {train[-1].get('step', '?')}, train loss {train[0]['loss']:.4f} -> {train[-1]['loss']:.4f}"]
-    evals = [h["eval_loss"] for h in logs if "eval_loss" in h]
+    evals = [h["eval_loss"] for h in logs if _number(h.get("eval_loss"))]
     if evals:
         lines.append(f"eval loss   {evals[-1]:.4f}" + (f" (first {evals[0]:.4f})" if len(evals) > 1 else ""))
 
     def median(key, skip_first=True):
-        vals = [h[key] for h in train[1 if skip_first and len(train) > 1 else 0:] if key in h]
+        vals = [h[key] for h in train[1 if skip_first and len(train) > 1 else 0:] if _number(h.get(key))]
         return statistics.median(vals) if vals else None
 
     def peak(key):
-        vals = [h[key] for h in train if key in h]
+        vals = [h[key] for h in train if _number(h.get(key))]
         return max(vals) if vals else None
 
     tok = median("tok_per_s")
@@ -59,7 +59,7 @@ def summary(source) -> str:
                                                       ("pinned", peak("host_pinned_gib"))) if v is not None]
     if mem:
         lines.append("memory      " + ", ".join(mem))
-    pcie, stall = median("pcie_gb_per_s"), sum(h.get("gpu_stall_ms", 0) for h in train)
+    pcie, stall = median("pcie_gb_per_s"), sum(h["gpu_stall_ms"] for h in train if _number(h.get("gpu_stall_ms")))
     if pcie is not None:
         lines.append(f"PCIe        {pcie:.1f} GB/s (median); the GPU waited {stall:.0f} ms in all for copies")
     skipped = peak("nonfinite_skipped")
@@ -68,8 +68,12 @@ def summary(source) -> str:
     return "\n".join(lines)
 
 
+def _number(x) -> bool:  # (a hand-edited or damaged history may hold anything: it is left out of the figures)
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def series(logs: list[dict], key: str) -> tuple[list[int], list[float]]:
-    pts = [(h["step"], h[key]) for h in logs if key in h and "step" in h]
+    pts = [(h["step"], h[key]) for h in logs if _number(h.get(key)) and _number(h.get("step"))]
     return [s for s, _ in pts], [v for _, v in pts]
 
 

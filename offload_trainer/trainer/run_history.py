@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 
+from ..errors import CheckpointError
 from .checkpoint import checkpoint_steps
 
 FIGURES_NAME = "run_figures.json"
@@ -39,8 +40,7 @@ def run_history(source) -> list[dict]:
     live state) or an output directory (its trainer_state.json and run_figures.json, or the newest checkpoint's)."""
     if isinstance(source, (str, os.PathLike)):
         directory = _state_directory(str(source))
-        with open(os.path.join(directory, "trainer_state.json")) as f:
-            history = json.load(f).get("log_history", [])
+        history = _log_history(os.path.join(directory, "trainer_state.json"))
         figures = load_figures(directory)
     else:
         history = list(source.state.log_history)
@@ -48,6 +48,21 @@ def run_history(source) -> list[dict]:
         figures = run.figures if run is not None else []
     by_step = {r["step"]: r for r in figures}
     return [{**h, **by_step[h["step"]]} if "loss" in h and h.get("step") in by_step else dict(h) for h in history]
+
+
+def _log_history(path: str) -> list[dict]:
+    """The log history of a trainer_state.json; CheckpointError, naming the file, where it cannot be read as one."""
+    try:
+        with open(path) as f:
+            history = json.load(f).get("log_history", [])
+        if not isinstance(history, list):
+            raise TypeError("its log_history is not a list")
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        why = "not a mapping" if isinstance(e, AttributeError) else str(e)
+        raise CheckpointError(f"{path} cannot be read as a Trainer state ({why}): the file is damaged. Each "
+                              f"checkpoint of the run holds the history up to its step (offload-trainer report "
+                              f"OUTPUT_DIR/checkpoint-N).") from None
+    return [h for h in history if isinstance(h, dict)]
 
 
 def _state_directory(output_dir: str) -> str:
