@@ -191,11 +191,13 @@ def test_report_leaves_out_values_that_are_not_numbers(tmp_path, capsys):
     """A hand-edited history with a string where a figure should be: those values are left out of the summary and
     the plots (was a raw ValueError from the format)."""
     state = {"log_history": [{"step": 1, "loss": "x"}, {"step": 2, "loss": 2.0, "tok_per_s": "fast"},
-                             {"step": "3", "loss": 1.5}, {"step": 4, "loss": 1.0, "tok_per_s": 50.0}]}
+                             {"step": "3", "loss": 1.5}, {"step": [5], "loss": 1.2},
+                             {"step": 4, "loss": 1.0, "tok_per_s": 50.0}]}
     (tmp_path / "trainer_state.json").write_text(json.dumps(state))
+    (tmp_path / "run_figures.json").write_text(json.dumps({"figures": [{"step": 4, "host_rss_gib": 0.25}]}))
     assert cli.main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "train loss 2.0000 -> 1.0000" in out and "50 tok/s" in out
+    assert "train loss 2.0000 -> 1.0000" in out and "50 tok/s" in out and "host RSS 0.25 GiB" in out
 
 
 def test_train_reads_the_model_config_once(tmp_path, monkeypatch):

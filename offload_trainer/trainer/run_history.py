@@ -47,7 +47,8 @@ def run_history(source) -> list[dict]:
         run = getattr(source, "_run", None)
         figures = run.figures if run is not None else []
     by_step = {r["step"]: r for r in figures}
-    return [{**h, **by_step[h["step"]]} if "loss" in h and h.get("step") in by_step else dict(h) for h in history]
+    return [{**h, **by_step[h["step"]]} if "loss" in h and isinstance(h.get("step"), int) and h["step"] in by_step
+            else dict(h) for h in history]
 
 
 def _log_history(path: str) -> list[dict]:
