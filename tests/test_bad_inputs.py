@@ -362,6 +362,15 @@ def test_directory_of_mixed_data_files(tmp_path, capsys):
     expect(Case(tmp_path, data=str(data)), capsys, 2, "holds data files of several kinds (json, text)")
 
 
+def test_directory_of_data_files_with_other_columns(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text('{"text": "some text"}\n' * 50)
+    (data / "b.jsonl").write_text('{"prompt": "q", "completion": "a", "n": 3}\n' * 50)
+    expect(Case(tmp_path, data=str(data)), capsys, 2, "cannot be loaded: Couldn't cast (the data files of a directory "
+           "are read as one table: they must have the same columns; or name one file)")
+
+
 @pytest.mark.parametrize("override", ["vocab_size: -5", "num_hidden_layers: 0"])
 def test_model_override_sizes(override, tmp_path, capsys):
     key = override.split(":")[0]

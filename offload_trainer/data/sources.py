@@ -144,7 +144,9 @@ def load(data_args, *, split: str):
         line = _first_bad_line(path, "json") if os.path.isfile(path) and path.endswith((".jsonl", ".json")) else None
         if line is not None:
             raise DataError(f"{name}:{line[0]}: not valid JSON ({line[1]}); each line must be one JSON object") from None
-        raise DataError(f"dataset {name!r} cannot be loaded: {_first_line(e)}") from None
+        hint = (" (the data files of a directory are read as one table: they must have the same columns; or name "
+                "one file)" if os.path.isdir(path) else "")
+        raise DataError(f"dataset {name!r} cannot be loaded: {_first_line(e)}{hint}") from None
     except (FileNotFoundError, ConnectionError, OSError) as e:
         hint = ("" if looks_local(name) else " A Hub dataset needs the network, or a copy in the HF datasets cache "
                 "(HF_DATASETS_OFFLINE=1 reads only that).")
