@@ -153,6 +153,8 @@ DATA_ROWS = {
                                   "its header names the column 'text' twice"),
     "data-messages-not-a-list": ("d.jsonl", b'{"messages": "hello"}\n', "", 2,
                                  "row 1: messages is a str, not a list of {role, content} messages"),
+    "data-empty-conversation": ("d.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": []}\n', "",
+                                2, "row 2: messages is an empty list: a conversation needs its messages"),
     "data-all-texts-empty": ("d.jsonl", b'{"text": ""}\n{"text": "   "}\n', "", 2,
                              "no records with text (the dataset is empty, or every text is empty)"),
     "data-not-utf8": ("d.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n', "", 2, "d.jsonl:2: not UTF-8 text"),

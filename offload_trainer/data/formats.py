@@ -146,7 +146,10 @@ def _conversation(messages, tok, spec: Tokenize, where: str) -> list[tuple]:
 
 
 def _check_messages(messages, where: str) -> None:
-    if not isinstance(messages, list) or not messages:
+    if isinstance(messages, list) and not messages:
+        raise DataError(f"{where}: messages is an empty list: a conversation needs its messages (drop the record, "
+                        f"or give them)")
+    if not isinstance(messages, list):
         raise DataError(f"{where}: messages is {_kind(messages)}, not a list of {{role, content}} messages")
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
