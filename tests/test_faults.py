@@ -114,6 +114,24 @@ def test_plan_negative_gpus(tmp_path, capsys):
     assert e.value.code == 2 and "-2 is not a positive number of GPUs" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["-5", "0", "nan"])
+def test_plan_host_gb_not_positive(tmp_path, capsys, value):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["plan", str(write_config(tmp_path, b"model_config: tiny-llama\n")), "--host-gb", value])
+    assert e.value.code == 2 and f"{value} is not a positive number of GiB" in capsys.readouterr().err
+
+
+def test_example_model_into_a_directory_of_other_files(tmp_path, capsys):
+    """`example-model DIR` where DIR holds a user's files: refused before the conversion, nothing written (was a raw
+    OSError from the final rename, after the conversion, with DIR.partial left beside it)."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    assert cli.main(["example-model", str(tmp_path / "mine")]) == 2
+    assert "holds other files (notes.txt), not a model written here before" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"] and (tmp_path / "mine" / "notes.txt").read_text() \
+        == "keep" and len(list((tmp_path / "mine").iterdir())) == 1
+
+
 def test_config_with_bom_and_crlf_trains(tmp_path, capsys):
     """A config saved by a Windows editor: a byte-order mark and CRLF line ends (a path with a space and non-ASCII
     letters too)."""

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+
+from ..errors import ConfigError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -29,6 +32,11 @@ def export_smollm2(out_dir: str) -> str:
     """Convert the GGUF model to a transformers directory at `out_dir` (once; reused when present)."""
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        what = "is a file" if not os.path.isdir(out_dir) else \
+            f"holds other files ({', '.join(sorted(os.listdir(out_dir))[:3])})"
+        raise ConfigError(f"example-model: {out_dir!r} {what}, not a model written here before: give a new or empty "
+                          f"directory (nothing was written)")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -42,7 +50,11 @@ def export_smollm2(out_dir: str) -> str:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     tmp = out_dir.rstrip("/") + ".partial"
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out_dir)  # appears complete or not at all
+    shutil.rmtree(tmp, ignore_errors=True)  # (left by a conversion that was killed)
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, out_dir)  # appears complete or not at all (an empty out_dir is replaced)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir

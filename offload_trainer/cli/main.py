@@ -62,6 +62,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def positive_gib(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):  # (NaN too)
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number of GiB (e.g. 57 for a 64 GB machine)")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="offload-trainer", description="Full-finetune LLMs on one small GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     p_plan.add_argument("config")
     p_plan.add_argument("overrides", nargs="*")
     p_plan.add_argument("--json", action="store_true", help="machine-readable output")
-    p_plan.add_argument("--host-gb", type=float, default=None,
+    p_plan.add_argument("--host-gb", type=positive_gib, default=None,
                         help="plan for this much host memory (GiB) available to the run, as host_memory_limit_gb=... "
                              "does (57 for a 64 GB machine); default: the config's host_memory_limit_gb, else what "
                              "this machine has available")
