@@ -141,6 +141,83 @@ def test_thin_wide_without_syncs_diverges(monkeypatch, mode):
     assert not errs[-1] <= 1e-3
 
 
+BIG_EMBED = dict(vocab=1 << 16, d=64, hidden=1 << 16, n_layers=4)  # a 4M-value embedding (4 chunks of 1M) after
+# four wide layers: its states staged while backward runs them (prefetch.py)
+
+
+def prefetch_run(monkeypatch, mode: str, *, compute_waits: bool = True) -> tuple[float, int]:
+    """The embedding's states copied during backward (its room unbounded), with the GPU made to lag twice: behind a
+    sleep before each backward (so the CPU frees activations whose kernels have not run yet, and the prefetch's
+    buffers are made of them) and behind a sleep before each update (an update not ordered after its copy, or a
+    forward not after its update, reads stale data). Returns the change error against torchao and the chunks
+    staged. `compute_waits=False`: the copies do not wait for the compute stream (negative control)."""
+    from offload_trainer.engine.optim import prefetch
+    from offload_trainer.engine.optim.speculation import ClipPolicy
+    from optim_cases import run_speculative
+
+    kw = dict(update_in_backward=True) if mode == "update_in_backward" else dict(
+        speculative=True, clip_policy=ClipPolicy(to_exact=10**9))
+    max_norm = 0.0 if mode == "update_in_backward" else 1e-3  # (fires on every step: each is rolled back, redone)
+    ref, ref_opt, ours, opt = pair(BIG_EMBED, torch.float32, lr=THIN_LR, chunk_numel=1 << 20, **kw)
+    opt._prefetch.room = lambda: 1 << 40
+    start = {k: v.detach().float().clone() for k, v in ref.named_parameters()}
+    run(ref, ref_opt, steps=6, accum=1, max_norm=max_norm, seed=5, streamed=False, device="cuda")
+    _updates_lag(monkeypatch)
+    loss = type(ours).loss
+
+    def lagging_loss(model, ids):
+        out = loss(model, ids)
+        torch.cuda._sleep(100_000_000)  # (~50 ms: backward's kernels queue behind it while the CPU runs ahead)
+        return out
+
+    monkeypatch.setattr(type(ours), "loss", lagging_loss)
+    if not compute_waits:
+        monkeypatch.setattr(prefetch.StatePrefetch, "copies_after_compute", lambda self: None)
+    if max_norm:
+        run_speculative(ours, opt, steps=6, accum=1, max_norm=max_norm, seed=5, device="cuda")
+        assert opt._spec.counts["redone"] == 6
+    else:
+        run(ours, opt, steps=6, accum=1, max_norm=max_norm, seed=5, streamed=True, device="cuda")
+    monkeypatch.undo()
+    torch.cuda.synchronize()
+    return change_err(ref, ours, start), opt.stats["prefetched_chunks"]
+
+
+@pytest.mark.parametrize("mode", ["update_in_backward", "speculative_clip_fires"])
+def test_prefetched_states_with_the_gpu_lagging(monkeypatch, mode):
+    """torchao's result, every chunk of the embedding staged on every backward (the redone ones too)."""
+    err, staged = prefetch_run(monkeypatch, mode)
+    print(f"{mode}: change err {err:.2e}, {staged} chunks staged")
+    assert staged == 4 * (6 if mode == "update_in_backward" else 12)
+    assert err <= 1e-3
+
+
+def test_prefetch_copies_that_do_not_wait_for_backward_diverge(monkeypatch):
+    """Negative control for the test above: copies into the fresh buffers that do not wait for the compute stream
+    overwrite activations backward still reads."""
+    err, staged = prefetch_run(monkeypatch, "update_in_backward", compute_waits=False)
+    print(f"without the wait: change err {err:.2e}, {staged} chunks staged")
+    assert staged > 0 and not err <= 1e-3
+
+
+def test_cuda_room_is_the_free_cache_below_the_peak():
+    """What the prefetch may allocate: the allocator's free cache, and no more than the peak of live tensors."""
+    from offload_trainer.engine.optim.prefetch import cuda_room
+
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    x = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    assert cuda_room(dev) <= 2 << 20  # at the peak: nothing beyond it
+    del x
+    room = cuda_room(dev)
+    assert 256 << 20 <= room <= 258 << 20  # its block is free in the cache, below the peak
+    y = torch.empty(128 << 20, dtype=torch.uint8, device=dev)
+    assert cuda_room(dev) == room - (128 << 20)  # (y took a part of x's free block)
+    del y
+
+
 WIDE_HEAD = dict(vocab=1 << 20, d=32, hidden=64, n_layers=2)  # a 32M-value head (8 chunks), read after a tiny layer
 
 
