@@ -15,7 +15,6 @@ CHUNK_NUMEL = 2**25  # elements per streamed chunk of optimizer state
 CHUNK_NUMEL_MIN, CHUNK_NUMEL_MULTIPLE = 4096, 256  # (256: torchao's 8-bit block)
 INFLIGHT_CHUNKS = 4  # GPU staging slots; at least 2: one copying while one updates
 INFLIGHT_CHUNKS_MIN = 2
-PREFETCH_UNITS = 4  # the first unit's states are copied to the GPU while backward runs the 4 units before it
 LOSS_CHUNK = 1024  # tokens per chunk of the LM head + cross-entropy (0: the model's own loss)
 LAYER_SWAP_PREFETCH = 1  # swapped layers fetched ahead of use
 MLP_TILE_TOKENS = 8192  # tiled MLP: tokens per tile (its intermediates exist for one tile at a time)

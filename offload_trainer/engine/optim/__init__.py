@@ -9,7 +9,6 @@
 - `kernel.py`: the same update as one Triton kernel per chunk (CUDA);
 - `states.py`: where the states live (pinned host buffers, GPU slots, those kept on the GPU);
 - `pipeline.py`: one tensor's update queued on side streams (H2D -> update -> D2H), the step's bookkeeping;
-- `prefetch.py`: the first unit's states copied to the GPU late in backward, before its gradient exists;
 - `grads.py`: gradients waiting in pinned host memory (clipping, accumulation);
 - `schedule.py`: hooks, the deferred launch order, each layer's wait for its own update;
 - `sharded.py`: data parallel (states sharded over ranks, gradients reduced to their owner).

@@ -42,7 +42,6 @@ class BackwardUpdates:
             self._launch(self._take(p, ready, hold=True, speculative=speculate))
             self._plan.updated.add(p)
             self._publish(p)
-            self._prefetch.reached(self._schedule.unit_of.get(p), self._pipeline.wait_host_final)
         elif self.offload_gradients and p in self._states.offset:
             if self._spec is not None:
                 self._spec.backed.pop(p, None)  # its slice of the spare buffer holds its gradient now

@@ -142,8 +142,6 @@ class GlobalNormClipping:
         plan.norms.clear()
         plan.sumsq.clear()
         plan.reduced.clear()
-        plan.staged.clear()
-        plan.to_stage = None  # (the redo's backward stages them again)
         self._host_grads.sums.clear()
 
     def _norms(self) -> dict:

@@ -1,7 +1,6 @@
 """One tensor's update on the GPU, queued on side streams: for a streamed tensor, chunk by chunk through a bounded
-pool of GPU slots -- (1) H2D copy of the chunk's 8-bit states (and a host gradient), unless they were copied ahead
-(prefetch.py), (2) the update, (3) D2H copy of the new states -- ordered by events only, so the CPU never blocks and
-the compute stream never waits for it."""
+pool of GPU slots -- (1) H2D copy of the chunk's 8-bit states (and a host gradient), (2) the update, (3) D2H copy of
+the new states -- ordered by events only, so the CPU never blocks and the compute stream never waits for it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,8 +41,6 @@ class StepPlan:
     reduced: list = field(default_factory=list)  # data parallel: params whose gradient was reduced, in order
     clip_coef: Tensor | None = None
     redo_coef: Tensor | None = None  # during a redo: the coefficient each update applies to its device gradient
-    staged: dict = field(default_factory=dict)  # chunk's flat start -> its states on the GPU ahead of its update
-    to_stage: list | None = None  # (param, chunk) still to stage in this backward (None: none staged yet): prefetch.py
 
     def reset(self) -> None:
         self.__init__()
@@ -76,17 +73,10 @@ class UpdatePipeline:
     (`update.adamw8bit_chunk`) are the compiled or eager updates; `fused` the Triton kernel, used where it is set."""
 
     def __init__(self, states: HostStates, streams, stats: dict, plan: StepPlan, backlog: Backlog, *, step_fn,
-                 chunk_fn, fused, state: dict, prefetch=None):
+                 chunk_fn, fused, state: dict):
         self.states, self.S, self.stats, self.plan, self.backlog = states, streams, stats, plan, backlog
         self.step_fn, self.chunk_fn, self.fused, self.state = step_fn, chunk_fn, fused, state
-        self.prefetch = prefetch  # prefetch.StatePrefetch: chunks whose states were copied ahead of their update
         self.prev_d2h_done = None  # event: the last step's copy-backs finished (host states final)
-
-    def wait_host_final(self, stream) -> None:
-        """`stream` (the H2D stream) waits until the host states are final: the last step's copies back are done."""
-        if self.prev_d2h_done is not None:
-            stream.wait_event(self.prev_d2h_done)
-            self.prev_d2h_done = None
 
     def queue(self, u: Update, norm_in_update: bool) -> None:
         S, p, grad, step, args = self.S, u.p, u.grad, u.step, u.args
@@ -136,14 +126,25 @@ class UpdatePipeline:
         s, e, flat_start = chunk.start, chunk.end, chunk.flat_start
         n = e - s
         (host_codes, host_scales), (out_codes, out_scales) = [(chunk.codes[b], chunk.scales[b]) for b in banks]
-        staged = self.prefetch.take(chunk, banks[0]) if self.prefetch is not None and flat_g is not None else None
-        if staged is not None:  # its states came during backward (prefetch.py): no slot, no copy now
-            slot, codes, scales, loaded = None, staged.codes, staged.scales, staged.loaded
-            code_rows, scale_rows = (codes[0], codes[1]), (scales[0], scales[1])
-        else:
-            slot = self.states.take_slot()
-            codes, scales, code_rows, scale_rows, g, loaded = self._load(slot, chunk, host_codes, host_scales, n,
-                                                                         flat_g is None, host_grad_ready)
+        slot = self.states.take_slot()
+        # 1) H2D: the slot must be free (its last copy-back done), host states final (last step's
+        #    copy-backs done), and a host gradient must have landed (its D2H done).
+        if slot.free is not None:
+            S.h2d.wait_event(slot.free)
+        if self.prev_d2h_done is not None:
+            S.h2d.wait_event(self.prev_d2h_done)
+            self.prev_d2h_done = None
+        if host_grad_ready is not None:
+            S.h2d.wait_event(host_grad_ready)
+        codes, scales, code_rows, scale_rows, g = self.states.slot_views(slot, n)
+        with S.on(S.h2d):
+            for k in range(2):  # row by row: a strided 2-D host copy would go through a pageable temporary
+                code_rows[k].copy_(host_codes[k], non_blocking=True)
+                scale_rows[k].copy_(host_scales[k], non_blocking=True)
+            if flat_g is None:
+                g.copy_(chunk.spare, non_blocking=True)
+        loaded = S.record(S.h2d)
+        self.stats["h2d_bytes"] += 2 * n + 8 * (n // bs) + (0 if flat_g is not None else g.numel() * g.element_size())
         # 2) the update, on its own stream so that backward / forward never wait for it
         S.update.wait_event(loaded)
         whole = s == 0 and e == flat_p.numel()
@@ -165,26 +166,5 @@ class UpdatePipeline:
             for k in range(2):
                 out_codes[k].copy_(code_rows[k], non_blocking=True)
                 out_scales[k].copy_(scale_rows[k], non_blocking=True)
-        if slot is not None:
-            slot.free = S.record(S.d2h)
+        slot.free = S.record(S.d2h)
         self.stats["d2h_bytes"] += 2 * n + 8 * (n // bs)
-
-    def _load(self, slot, chunk, host_codes, host_scales, n: int, host_grad: bool, host_grad_ready) -> tuple:
-        """1) H2D of a chunk's states (and host gradient) into `slot`: the slot must be free (its last copy-back
-        done), host states final (last step's copy-backs done), and a host gradient must have landed (its D2H done).
-        Returns the slot's views and the event of the copies."""
-        S, bs = self.S, self.states.block_size
-        if slot.free is not None:
-            S.h2d.wait_event(slot.free)
-        self.wait_host_final(S.h2d)
-        if host_grad_ready is not None:
-            S.h2d.wait_event(host_grad_ready)
-        codes, scales, code_rows, scale_rows, g = self.states.slot_views(slot, n)
-        with S.on(S.h2d):
-            for k in range(2):  # row by row: a strided 2-D host copy would go through a pageable temporary
-                code_rows[k].copy_(host_codes[k], non_blocking=True)
-                scale_rows[k].copy_(host_scales[k], non_blocking=True)
-            if host_grad:
-                g.copy_(chunk.spare, non_blocking=True)
-        self.stats["h2d_bytes"] += 2 * n + 8 * (n // bs) + (g.numel() * g.element_size() if host_grad else 0)
-        return codes, scales, code_rows, scale_rows, g, S.record(S.h2d)

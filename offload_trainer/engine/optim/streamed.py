@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torchao.optim.adam import single_param_adam
 
-from ...settings import CHUNK_NUMEL, INFLIGHT_CHUNKS, INFLIGHT_CHUNKS_MIN, PREFETCH_UNITS
+from ...settings import CHUNK_NUMEL, INFLIGHT_CHUNKS, INFLIGHT_CHUNKS_MIN
 from ..distributed import Sharding
 from ..streams import StallMeter, Streams
 from . import kernel
@@ -35,7 +35,6 @@ from .clipping import GlobalNormClipping
 from .grads import HostGradients
 from .backward import BackwardUpdates
 from .pipeline import Backlog, StepPlan, UpdatePipeline
-from .prefetch import StatePrefetch
 from .state_io import StateDictIO
 from .schedule import LAUNCH_AHEAD, Schedule
 from .sharded import ShardedUpdates
@@ -70,8 +69,6 @@ class StreamedAdamW8bit(BackwardUpdates, GlobalNormClipping, StateDictIO, torch.
     and backward again, each update then applying the clip coefficient -- exact clipping's result (speculation.py:
     what it keeps, 4 more bytes/param of pinned host memory). `clip_policy`: when to stop speculating while the clip
     fires on most steps (`ClipPolicy`).
-    `prefetch_units`: with updates in backward (attached), the first unit's states are copied to the GPU while
-    backward runs this many units before it, into memory backward freed (prefetch.py); 0: at its gradient hook.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
@@ -80,7 +77,7 @@ class StreamedAdamW8bit(BackwardUpdates, GlobalNormClipping, StateDictIO, torch.
                  inflight_chunks: int = INFLIGHT_CHUNKS, compile: bool | dict | None = None, sharding: Sharding | None = None,
                  grad_backlog_bytes: int | None = None, fused: bool | dict | None = None, seed: int | None = None,
                  device_state_bytes: int = 0, speculative: bool = False,
-                 clip_policy: ClipPolicy | None = None, prefetch_units: int = PREFETCH_UNITS) -> None:
+                 clip_policy: ClipPolicy | None = None) -> None:
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
             raise ValueError(f"invalid AdamW hyperparameters lr={lr}, betas={betas}, eps={eps}")
         if chunk_numel % block_size or chunk_numel < block_size:
@@ -106,7 +103,7 @@ class StreamedAdamW8bit(BackwardUpdates, GlobalNormClipping, StateDictIO, torch.
         self._group_of = {p: g for g in self.param_groups for p in g["params"]}
         shard = sharding if sharding is not None and sharding.world_size > 1 else None
         self._streams = S = Streams(self.device, comm_streams=shard is not None)
-        self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "updates": 0, "prefetched_chunks": 0}
+        self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "updates": 0}
         self.stall = StallMeter(S)  # forward waiting for a layer's update
         self._plan = StepPlan()
         # (through lambdas: the launch and publish of this instance, as they are when called)
@@ -122,12 +119,8 @@ class StreamedAdamW8bit(BackwardUpdates, GlobalNormClipping, StateDictIO, torch.
         self._host_grads = HostGradients(self._states, S, self.stats, self._plan, backlog)
         step_fn, chunk_fn = self._update_fns(compile)
         self._fused = self._fused_kernel(fused, seed)
-        # (no prefetch with data parallel: a rank updates only the tensors it owns, reduced first)
-        self._prefetch = StatePrefetch(self._states, S, self.stats, self._plan,
-                                       lead=prefetch_units if shard is None else 0)
         self._pipeline = UpdatePipeline(self._states, S, self.stats, self._plan, backlog, step_fn=step_fn,
-                                        chunk_fn=chunk_fn, fused=self._fused, state=self.state,
-                                        prefetch=self._prefetch)
+                                        chunk_fn=chunk_fn, fused=self._fused, state=self.state)
         self._residency = _always_resident
         self._swapped = lambda p: False
         self._accumulating = self._skip = self._redoing = False
@@ -193,12 +186,10 @@ class StreamedAdamW8bit(BackwardUpdates, GlobalNormClipping, StateDictIO, torch.
         """Hook the optimizer into `model`: updates/gradient offload during backward, and per-unit waits
         in forward so that a layer runs as soon as its own update is done. Returns a handle with remove()."""
         self._schedule.attach(model, units, set(self._group_of), self._on_grad_ready)
-        self._prefetch.attach(self._schedule.units[0] if self._schedule.units else [])
         return _Handle(self)
 
     def detach(self) -> None:
         self._schedule.detach()
-        self._prefetch.attach([])
 
     def set_residency(self, touch, ahead: int | None = None, swapped=None) -> None:
         """`touch(p, update_stream)`: a context manager around each update of `p`, which makes sure `p` is
