@@ -220,6 +220,7 @@ def _prepare(raw, data_args, tok, spec: Tokenize, vocab_size: int, where: str):
                     features=_features(("input_ids", "labels")), fn_kwargs=dict(seq_len=seq))
     if hasattr(rows, "_fingerprint"):
         _check(rows, vocab_size, where, data_args)
+        _warn_untrained(raw, tokenized, spec, where)
     rows = rows.remove_columns(list(STATS))
     # Our own tensors, not `with_format("torch")`: datasets' torch (and numpy) formatter imports
     # `torchvision.io.VideoReader` whenever torchvision is loaded, which torchvision 0.26 removed, so datasets up to
@@ -245,6 +246,41 @@ def _features(token_columns):
 
     ids = {k: datasets.List(datasets.Value("int32")) for k in token_columns}
     return datasets.Features({**ids, **{k: datasets.Value("int64") for k in STATS}})
+
+
+def _untrained_records(tokenized) -> tuple[int, int | None]:
+    """(how many records have tokens but no label that trains, the index of the first): read from the labels column
+    in Arrow's own buffers, one stored chunk at a time."""
+    import numpy as np
+
+    count, first, start = 0, None, 0
+    for chunk in tokenized.data.table.column("labels").chunks:
+        offsets = chunk.offsets.to_numpy()  # (into the values behind a sliced chunk)
+        values = chunk.values.to_numpy(zero_copy_only=False)[:offsets[-1]]
+        filled = np.flatnonzero(offsets[1:] > offsets[:-1])
+        if len(filled):
+            # a record's largest label is IGNORE_INDEX when none trains (the others are token ids, >= 0)
+            idle = filled[np.maximum.reduceat(values, offsets[filled]) == IGNORE_INDEX]
+            count += len(idle)
+            first = start + int(idle[0]) if first is None and len(idle) else first
+        start += len(chunk)
+    return count, first
+
+
+def _warn_untrained(raw, tokenized, spec: Tokenize, where: str) -> None:
+    """A word on records that train nothing (a typo in a role, an empty completion): they cost steps, add no loss."""
+    count, first = _untrained_records(tokenized)
+    if not count:
+        return
+    rec = raw[first]
+    why = "every label of it is -100"
+    if spec.fmt == "messages" and spec.assistant_only:
+        roles = [m.get("role") for m in rec["messages"]]
+        why = f"with assistant_only_loss only messages whose role is 'assistant' are trained, and its roles are {roles}"
+    elif spec.fmt == "prompt_completion" and spec.completion_only:
+        why = "completion_only_loss trains the completion only, and its completion renders to no token"
+    logger.warning("%s: %d of %d records train no token (the first: row %d: %s); they take steps but add no loss: "
+                   "fix or drop them", where, count, len(tokenized), rec.get(ROW, first) + 1, why)
 
 
 def _check(rows, vocab_size: int, where: str, data_args) -> None:

@@ -159,6 +159,51 @@ def test_tokenized_records_keep_their_labels(tok, tmp_path):
     assert unpacked(tok, path) == [([5, 6, 7, 8], [-100, -100, 7, 8]), ([9, 10, 11], [9, 10, 11])]
 
 
+TYPO = [{"role": "user", "content": "hi there"}, {"role": "assistent", "content": "hello friend"}]
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
+def test_data_records_that_train_no_token(packing, tok, tmp_path, caplog):
+    """A role misspelt under assistant_only_loss trained nothing of its record, silently: a warning names how many
+    records, the first one's row and its roles. Without assistant_only_loss (every token trains), no word."""
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}, {"messages": TYPO}, {"messages": CHAT[:2]},
+                                                 {"messages": TYPO}])
+    with caplog.at_level("WARNING", logger="offload_trainer"):
+        build(tok, path, assistant_only_loss=True, packing=packing)
+    assert ("2 of 4 records train no token (the first: row 2: with assistant_only_loss only messages whose role is "
+            "'assistant' are trained, and its roles are ['user', 'assistent'])") in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="offload_trainer"):
+        build(tok, path, packing=packing)
+        build(tok, write_jsonl(tmp_path / "good.jsonl", [{"messages": CHAT}, {"messages": CHAT[:2]}]),
+              assistant_only_loss=True, packing=packing)
+    assert "train no token" not in caplog.text
+
+
+def test_untrained_records_are_counted_in_every_stored_chunk(tok, tmp_path, caplog):
+    """Tokenized records whose labels are all -100, past the first stored chunk and in a held-out split (shuffled:
+    the row named is the file's)."""
+    from offload_trainer.data import _untrained_records
+
+    records = [{"input_ids": [5, 6, 7], "labels": [5, -100, 7]} for _ in range(2500)]
+    for i in (1200, 2400):
+        records[i] = {"input_ids": [5, 6, 7], "labels": [-100, -100, -100]}
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    with caplog.at_level("WARNING", logger="offload_trainer"):
+        train, _ = build(tok, path, packing=False)
+    assert "2 of 2500 records train no token (the first: row 1201: every label of it is -100)" in caplog.text
+    import datasets
+
+    split = datasets.Dataset.from_list(records).train_test_split(test_size=0.5, seed=0)["train"]
+    count, _ = _untrained_records(split.flatten_indices())
+    assert count == sum(r["labels"] == [-100, -100, -100] for r in split)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="offload_trainer"):
+        build(tok, path, packing=False, eval_fraction=0.5)
+    rows_named = [int(w.split("row ")[1].split(":")[0]) for w in caplog.messages if "train no token" in w]
+    assert rows_named and all(r in (1201, 2401) for r in rows_named)
+
+
 # ---------------------------------------------------------------------------------------------------- packing
 DOCS = [{"text": " ".join(["word"] * n) + " end"} for n in (3, 17, 8, 30, 5, 12, 1, 22)]
 
