@@ -201,7 +201,7 @@ def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
 
 def _prepare(raw, data_args, tok, spec: Tokenize, vocab_size: int, where: str):
     seq, strategy = data_args.max_seq_length, data_args.packing_strategy
-    fp = _fingerprint(raw, "tokenize-v1", spec, _tokenizer_id(tok))
+    fp = _fingerprint(raw, "tokenize-v2", spec, _tokenizer_id(tok))
     columns = _columns(raw, ours=True)
     try:
         tokenized = _map(raw, tokenize_batch, fingerprint=fp, desc="tokenizing", num_proc=data_args.dataset_num_proc,

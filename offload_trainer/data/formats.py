@@ -81,8 +81,19 @@ def tokenize_batch(batch: dict, indices: list[int], *, tokenizer, spec: Tokenize
     return out
 
 
+# The fields each format reads (a file's records are read in one format: the first of these its columns have).
+_FIELDS = {"tokenized": ("input_ids",), "messages": ("messages",), "prompt_completion": ("prompt", "completion")}
+
+
 def _pieces(rec: dict, tok, spec: Tokenize, where: str) -> list[tuple]:
     """[(text or token ids, trained)]: `trained` True / False, or the labels themselves (given with the ids)."""
+    fields = _FIELDS.get(spec.fmt, (spec.text_field,))
+    if all(rec.get(f) is None for f in fields):  # a file that mixes formats has the union of their columns
+        others = sorted(f for fs in (*_FIELDS.values(), (spec.text_field,)) for f in fs
+                        if f not in fields and rec.get(f) is not None)
+        if others:
+            raise DataError(f"{where}: has {others} but no {' / '.join(map(repr, fields))}: the file's records are read "
+                            f"as one format, the one other records have ({spec.fmt}); give each record that format")
     if spec.fmt == "tokenized":
         ids = rec["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids):
@@ -100,8 +111,31 @@ def _pieces(rec: dict, tok, spec: Tokenize, where: str) -> list[tuple]:
         text = text.lstrip("\ufeff")
         return [(text, True), (_eos(tok), True)] if text.strip() else []
     if spec.fmt == "messages":
-        return _conversation(rec.get("messages"), tok, spec, where)
-    return _prompt_completion(rec.get("prompt"), rec.get("completion"), tok, spec, where)
+        return _conversation(_text_parts_joined(rec.get("messages"), where), tok, spec, where)
+    return _prompt_completion(_text_parts_joined(rec.get("prompt"), where),
+                              _text_parts_joined(rec.get("completion"), where), tok, spec, where)
+
+
+def _text_parts_joined(messages, where: str):
+    """Messages whose content is a list of text parts (`[{"type": "text", "text": ...}]`: OpenAI's format, and the
+    Hub's multimodal one) with the parts' texts joined, one after another, as the Hub's multimodal chat templates
+    render them: a text model's template would print the list itself (`[{'type': 'text', ...}]`) and train on that.
+    Anything else is left for `_check_messages` to judge."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for j, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else _kind(part)
+                if kind != "text" or not isinstance(part.get("text"), str):
+                    raise DataError(f"{where}: message {j + 1}'s content has a part {part!r:.80}; a text run reads "
+                                    f"text parts only ({{'type': 'text', 'text': ...}}): drop the others, or train a "
+                                    f"vision model on images")
+            m = {**m, "content": "".join(part["text"] for part in content)}
+        out.append(m)
+    return out
 
 
 def _prompt_completion(prompt, completion, tok, spec: Tokenize, where: str) -> list[tuple]:
@@ -172,5 +206,8 @@ def _eos(tok) -> list[int]:
     return [tok.eos_token_id] if tok.eos_token_id is not None else []
 
 
+_JSON_KINDS = {bool: "a boolean", int: "a number", float: "a number", str: "a string"}  # (what a JSON file says)
+
+
 def _kind(value) -> str:
-    return "null (or missing)" if value is None else f"a {type(value).__name__}"
+    return "null (or missing)" if value is None else _JSON_KINDS.get(type(value), f"a {type(value).__name__}")

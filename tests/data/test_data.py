@@ -159,6 +159,46 @@ def test_tokenized_records_keep_their_labels(tok, tmp_path):
     assert unpacked(tok, path) == [([5, 6, 7, 8], [-100, -100, 7, 8]), ([9, 10, 11], [9, 10, 11])]
 
 
+def as_parts(messages, split=False):
+    """The messages with each content as a list of text parts (OpenAI's format); `split`: one part per word."""
+    def parts(text):
+        words = text.split(" ")
+        return [{"type": "text", "text": w + (" " if k < len(words) - 1 else "")} for k, w in enumerate(words)] \
+            if split else [{"type": "text", "text": text}]
+    return [{**m, "content": parts(m["content"])} for m in messages]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one_part", "a_part_per_word"])
+def test_data_content_as_text_parts(split, tok, tmp_path):
+    """Content as a list of text parts trains exactly as the same text as a string (a text model's template printed
+    the list itself, `[{'type': 'text', ...}]`, and trained on that); in conversations and conversational
+    prompt-completion records."""
+    for records, plain in [([{"messages": as_parts(CHAT, split)}], [{"messages": CHAT}]),
+                           ([{"prompt": as_parts(CHAT[:3], split), "completion": as_parts(CHAT[3:], split)}],
+                            [{"prompt": CHAT[:3], "completion": CHAT[3:]}])]:
+        got = unpacked(tok, write_jsonl(tmp_path / "parts.jsonl", records), assistant_only_loss="messages" in records[0])
+        want = unpacked(tok, write_jsonl(tmp_path / "plain.jsonl", plain), assistant_only_loss="messages" in plain[0])
+        assert got == want and "'type'" not in tok.decode(got[0][0])
+
+
+def test_data_image_part_in_a_text_run(tok, tmp_path):
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]},
+                {"role": "assistant", "content": "a cat"}]
+    with pytest.raises(DataError, match=r"row 1: message 1's content has a part \{'type': 'image'\}; a text run reads "
+                                        r"text parts only"):
+        build(tok, write_jsonl(tmp_path / "img.jsonl", [{"messages": messages}]))
+
+
+def test_data_mixed_formats(tok, tmp_path):
+    """A file whose records are in two formats said `messages is null (or missing)` for a record that had text."""
+    path = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a b c"}, {"messages": CHAT}])
+    with pytest.raises(DataError, match=r"row 1: has \['text'\] but no 'messages': the file's records are read as "
+                                        r"one format, the one other records have \(messages\)"):
+        build(tok, path)
+    with pytest.raises(DataError, match=r"row 2: 'text' is null \(or missing\), not a string"):  # (not mixed)
+        build(tok, write_jsonl(tmp_path / "gap.jsonl", [{"text": "a b", "id": 1}, {"id": 2}]))
+
+
 TYPO = [{"role": "user", "content": "hi there"}, {"role": "assistent", "content": "hello friend"}]
 
 
