@@ -1,10 +1,12 @@
 """Where training data comes from, loaded with `datasets` (memory-mapped Arrow, its cache reused between runs):
-the built-in corpora, local files (.txt, .jsonl / .json, .parquet, .csv, .arrow), a directory written by
+the built-in corpora, local files (.txt, .jsonl / .json, .parquet, .csv, .arrow; the text ones may be compressed:
+.gz, .bz2, .xz), a directory written by
 `save_to_disk` or holding data files, and Hub datasets by name (offline from the HF cache). Every failure is one
 sentence naming the dataset, the split or the line."""
 from __future__ import annotations
 
 import json
+import lzma
 import os
 from importlib import resources
 
@@ -20,6 +22,25 @@ def builtin_asset(name: str) -> str:
 BUILTIN = {"builtin": "corpus.txt", "builtin-sft": "sft.jsonl"}
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv",
             ".arrow": "arrow"}
+# Compression that datasets undoes as it reads a data file (Python's own codecs), and how to open it here.
+COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
+DAMAGED = (OSError, EOFError, lzma.LZMAError)  # what reading a damaged compressed file raises
+
+
+def data_ext(path: str) -> str:
+    """A data file's kind, under any compression suffix: `d.jsonl.gz` -> `.jsonl`."""
+    root, ext = os.path.splitext(path.lower())
+    return os.path.splitext(root)[1] if ext in COMPRESSED else ext
+
+
+def _open_bytes(path: str):
+    """A data file's bytes, decompressed."""
+    codec = COMPRESSED.get(os.path.splitext(path.lower())[1])
+    if codec is None:
+        return open(path, "rb")
+    import importlib
+
+    return importlib.import_module(codec).open(path, "rb")
 
 
 def resolve(name: str) -> str:
@@ -29,7 +50,7 @@ def resolve(name: str) -> str:
 def looks_local(name: str) -> bool:
     """A path (or a built-in name) rather than a Hub id such as `tatsu-lab/alpaca`."""
     return (name in BUILTIN or name.startswith((".", "/", "~")) or os.path.exists(os.path.expanduser(name))
-            or name.count("/") > 1 or os.path.splitext(name)[1].lower() in BUILDERS)
+            or name.count("/") > 1 or data_ext(name) in BUILDERS)
 
 
 def check_source(name: str) -> None:
@@ -38,7 +59,7 @@ def check_source(name: str) -> None:
         return
     path = os.path.expanduser(name)
     if os.path.isdir(path):
-        kinds = sorted({BUILDERS[e] for f in os.listdir(path) if (e := os.path.splitext(f)[1].lower()) in BUILDERS})
+        kinds = sorted({BUILDERS[e] for f in os.listdir(path) if (e := data_ext(f)) in BUILDERS})
         if len(kinds) > 1:  # (datasets would read one kind and drop the others without a word)
             raise DataError(f"dataset_path: directory {name!r} holds data files of several kinds ({', '.join(kinds)}): "
                             f"one kind is read, the others would be left out. Keep one kind in it, or name one "
@@ -48,12 +69,13 @@ def check_source(name: str) -> None:
         raise DataError(f"dataset_path: {name!r} does not exist (use a .txt, .jsonl, .json, .parquet, .csv or .arrow "
                         f"file, a directory of them or one written by save_to_disk, a Hub dataset name, 'builtin', "
                         f"'builtin-sft' or 'random')")
-    if os.path.splitext(path)[1].lower() not in BUILDERS:
-        raise DataError(f"dataset_path: {name!r} is none of {', '.join(BUILDERS)}: convert it, or name its format "
-                        f"with dataset_kwargs (e.g. {{builder: json}})")
+    if data_ext(path) not in BUILDERS:
+        raise DataError(f"dataset_path: {name!r} is none of {', '.join(BUILDERS)} (each may be compressed: "
+                        f"{', '.join(COMPRESSED)}): convert it, or name its format with dataset_kwargs (e.g. "
+                        f"{{builder: json}})")
     if not os.access(path, os.R_OK):
         raise DataError(f"dataset_path: {name!r} cannot be read (permission denied)")
-    if BUILDERS[os.path.splitext(path)[1].lower()] == "csv":
+    if BUILDERS[data_ext(path)] == "csv":
         _check_csv_header(path, name)
 
 
@@ -61,11 +83,12 @@ def _check_csv_header(path: str, name: str) -> None:
     """A CSV header that names a column twice: pandas (datasets' reader) renames the second `text.1`, so the rows
     would train on the first column only, without a word."""
     import csv
+    import io
 
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
+        with io.TextIOWrapper(_open_bytes(path), newline="", encoding="utf-8-sig") as f:
             header = next(csv.reader(f), [])
-    except (UnicodeDecodeError, csv.Error):
+    except (UnicodeDecodeError, csv.Error, *DAMAGED):
         return  # (the reader says what is wrong with it, with the line)
     seen = set()
     for col in header:
@@ -89,7 +112,7 @@ def content_digest(path: str) -> str:
     run (xxh3: ~10 GB/s)."""
     files = [path] if os.path.isfile(path) else sorted(
         os.path.join(root, f) for root, _, names in os.walk(path) for f in names
-        if os.path.splitext(f)[1].lower() in BUILDERS)
+        if data_ext(f) in BUILDERS)
     return files_digest(files, root=path)
 
 
@@ -124,7 +147,7 @@ def load(data_args, *, split: str):
                                 f"another file, or use eval_fraction)")
             if _blank(path):
                 raise DataError(f"dataset {name!r}: no records (the file is empty); add text lines or JSON records")
-            builder = builder or BUILDERS[os.path.splitext(path)[1].lower()]
+            builder = builder or BUILDERS[data_ext(path)]
             if builder == "text":
                 kwargs.setdefault("encoding", "utf-8-sig")  # (a byte-order mark is not text)
             digest = None if streaming else _cached_by_content(kwargs, path)
@@ -141,13 +164,14 @@ def load(data_args, *, split: str):
     except UnicodeDecodeError as e:
         raise not_utf8(name, e) from None
     except (datasets.exceptions.DatasetGenerationError, ValueError) as e:
-        line = _first_bad_line(path, "json") if os.path.isfile(path) and path.endswith((".jsonl", ".json")) else None
+        json_file = os.path.isfile(path) and data_ext(path) in (".jsonl", ".json")
+        line = _first_bad_line(path, "json") if json_file else None
         if line is not None:
             raise DataError(f"{name}:{line[0]}: not valid JSON ({line[1]}); each line must be one JSON object") from None
         hint = (" (the data files of a directory are read as one table: they must have the same columns; or name "
                 "one file)" if os.path.isdir(path) else "")
         raise DataError(f"dataset {name!r} cannot be loaded: {_first_line(e)}{hint}") from None
-    except (FileNotFoundError, ConnectionError, OSError) as e:
+    except (FileNotFoundError, ConnectionError, *DAMAGED) as e:
         hint = ("" if looks_local(name) else " A Hub dataset needs the network, or a copy in the HF datasets cache "
                 "(HF_DATASETS_OFFLINE=1 reads only that).")
         raise DataError(f"dataset {name!r} cannot be loaded: {_first_line(e)}.{hint}") from None
@@ -173,9 +197,12 @@ def _split_of(found, split: str, name: str):
 
 def _blank(path: str) -> bool:
     """A file with nothing but white space (datasets' readers fail on it with a bare StopIteration)."""
-    with open(path, "rb") as f:
-        head = f.read(1 << 16)
-    return not head.strip(b" \t\r\n\xef\xbb\xbf") and os.path.getsize(path) <= len(head)
+    try:
+        with _open_bytes(path) as f:
+            head, more = f.read(1 << 16), f.read(1)
+    except DAMAGED:
+        return False  # (the reader says so)
+    return not head.strip(b" \t\r\n\xef\xbb\xbf") and not more
 
 
 def _saved_to_disk(path: str) -> bool:
@@ -185,7 +212,7 @@ def _saved_to_disk(path: str) -> bool:
 def _first_bad_line(path: str, kind: str):
     """(line number, reason) of the first line that is not valid UTF-8 (kind 'utf8') or not a JSON object."""
     try:
-        with open(path, "rb") as f:
+        with _open_bytes(path) as f:
             for lineno, raw in enumerate(f, 1):
                 try:
                     text = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
@@ -200,7 +227,7 @@ def _first_bad_line(path: str, kind: str):
                         return lineno, e.msg
                     if not isinstance(rec, dict):
                         return lineno, f"a JSON {type(rec).__name__}, not an object"
-    except OSError:
+    except DAMAGED:
         return None
     return None
 

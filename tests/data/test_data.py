@@ -159,6 +159,42 @@ def test_tokenized_records_keep_their_labels(tok, tmp_path):
     assert unpacked(tok, path) == [([5, 6, 7, 8], [-100, -100, 7, 8]), ([9, 10, 11], [9, 10, 11])]
 
 
+@pytest.mark.parametrize("fmt, ext, codec", [("text", "jsonl", "gzip"), ("messages", "jsonl", "lzma"),
+                                              ("prompt_completion", "csv", "bz2"), ("text", "txt", "gzip")])
+def test_data_compressed_files(fmt, ext, codec, tok, tmp_path):
+    """A data file compressed (.gz, .bz2, .xz) reads as the file itself, alone or in a directory (was refused as
+    none of the known kinds)."""
+    import importlib
+
+    records = RECORDS[fmt]
+    plain = containers(tmp_path, records)["jsonl"] if ext == "jsonl" else tmp_path / f"d.{ext}"
+    if ext == "csv":
+        containers(tmp_path, records)
+    if ext == "txt":
+        plain.write_text("".join(r["text"] + "\n" for r in records))
+    suffix = {"gzip": "gz", "bz2": "bz2", "lzma": "xz"}[codec]
+    packed = tmp_path / "z" / f"d.{ext}.{suffix}"
+    packed.parent.mkdir()
+    with importlib.import_module(codec).open(packed, "wb") as f:
+        f.write(plain.read_bytes())
+    want = rows(build(tok, plain)[0])
+    assert want and rows(build(tok, packed)[0]) == want
+    assert rows(build(tok, packed.parent)[0]) == want
+
+
+def test_data_damaged_compressed_file(tok, tmp_path):
+    import gzip
+
+    whole = gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS["text"] * 50))
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DataError, match="cannot be loaded: Compressed file ended before the end-of-stream marker"):
+        build(tok, tmp_path / "cut.jsonl.gz")
+    with gzip.open(tmp_path / "bad.jsonl.gz", "wt") as f:
+        f.write('{"text": "a b"}\n{"text": oops}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl.gz:2: not valid JSON"):
+        build(tok, tmp_path / "bad.jsonl.gz")
+
+
 def as_parts(messages, split=False):
     """The messages with each content as a list of text parts (OpenAI's format); `split`: one part per word."""
     def parts(text):
