@@ -50,8 +50,12 @@ def detect_format(columns: list[str], text_field: str, where: str) -> str:
         return "prompt_completion"
     if text_field in columns:
         return "text"
+    hint = ""
+    if len(columns) == 1:  # a JSON file holding {"data": [records]} reads as one record with one column
+        hint = (f" (if {columns[0]!r} holds the records, as in {{{columns[0]!r}: [...]}}, read them with "
+                f"dataset_kwargs: {{field: {columns[0]}}})")
     raise DataError(f"{where}: records have columns {sorted(columns)}; expected {text_field!r} (dataset_text_field), "
-                    f"'messages', 'prompt' + 'completion', or 'input_ids'")
+                    f"'messages', 'prompt' + 'completion', or 'input_ids'{hint}")
 
 
 def has_generation_markers(tokenizer) -> bool:

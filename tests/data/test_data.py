@@ -225,6 +225,17 @@ def test_data_image_part_in_a_text_run(tok, tmp_path):
         build(tok, write_jsonl(tmp_path / "img.jsonl", [{"messages": messages}]))
 
 
+def test_data_records_inside_a_json_object(tok, tmp_path):
+    """A .json file holding {"data": [records]}: the error names the key to read them from, and that reads them."""
+    (tmp_path / "w.json").write_text(json.dumps({"data": RECORDS["text"]}))
+    with pytest.raises(DataError, match=r"records have columns \['data'\]; .* read them with dataset_kwargs: "
+                                        r"\{field: data\}"):
+        build(tok, tmp_path / "w.json")
+    got = rows(build_datasets(DataArguments(dataset_path=str(tmp_path / "w.json"), max_seq_length=64,
+                                            dataset_kwargs={"field": "data"}), tok, vocab_size=512)[0])
+    assert got == rows(build(tok, write_jsonl(tmp_path / "d.jsonl", RECORDS["text"]))[0])
+
+
 def test_data_mixed_formats(tok, tmp_path):
     """A file whose records are in two formats said `messages is null (or missing)` for a record that had text."""
     path = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a b c"}, {"messages": CHAT}])
