@@ -68,6 +68,29 @@ def test_inside_counts_what_ran_within_an_operators_spans():
                                     {"name": "cudaMemcpyAsync", "count": 0.5, "ms": 0.003}]
 
 
+def test_around_a_gap_shows_what_each_stream_ran_and_what_ended_last():
+    """Compute 0-10 and 30-40 ms (the gap: 10-30); an H2D stream copying, an update stream's kernels ending at 29 ms,
+    the last before the compute stream went on; work long before the window is left out."""
+    names = ["mm", "Memcpy HtoD (Pinned -> Device)", "_adamw8bit_kernel", "cudaLaunchKernel"]
+    kinds = ["kernel", "gpu_memcpy", "cuda_runtime"]
+    ms = 1000.0
+    ev = [[0, 0, 7, 0, 5 * ms, 1], [0, 0, 7, 5 * ms, 5 * ms, 1], [0, 0, 7, 30 * ms, 5 * ms, 2],
+          [0, 0, 7, 35 * ms, 5 * ms, 2],  # (the compute stream: the one with the most kernels)
+          [1, 1, 13, -50 * ms, 5 * ms, 3],  # (before the window)
+          [1, 1, 13, 5 * ms, 6 * ms, 4], [1, 1, 13, 11 * ms, 9 * ms, 5],
+          [2, 0, 14, 12 * ms, 2 * ms, 6], [2, 0, 14, 16 * ms, 2 * ms, 7], [2, 0, 14, 26 * ms, 3 * ms, 8],
+          [3, 2, 99, 9 * ms, 0.01 * ms, 2]]
+    r = trace_gaps.around({"names": names, "kinds": kinds, "events": ev}, rank=0, before_ms=8)
+    assert r["gap"]["start_ms"] == 10.0 and r["gap"]["ms"] == 20.0
+    assert r["streams"][13]["runs"] == [{"name": "Memcpy HtoD (Pinned -> Device)", "count": 2, "from_ms": -5.0,
+                                         "to_ms": 10.0, "busy_ms": 15.0}]
+    assert r["streams"][14]["runs"] == [{"name": "_adamw8bit_kernel", "count": 3, "from_ms": 2.0, "to_ms": 19.0,
+                                         "busy_ms": 7.0}]
+    assert r["streams"][7]["role"] == "compute"
+    assert r["streams"][7]["runs"] == [{"name": "mm", "count": 2, "from_ms": -10.0, "to_ms": 0.0, "busy_ms": 10.0}]
+    assert r["last_to_end_before_it"] == {"stream": 14, "role": "kernels", "end_ms": 19.0}
+
+
 def test_make_table_pairs_clipping_rows_with_native_clip(tmp_path, capsys):
     import make_table
 

@@ -5,6 +5,8 @@ for other streams, and what the CPU was doing meanwhile.
     python bench/analysis/trace_gaps.py TRACE.json.gz --against OTHER.json.gz   # the compute streams' kernels,
                                                                                  # side by side
     python bench/analysis/trace_gaps.py TRACE.json.gz --inside OP --steps N     # what ran inside OP's spans
+    python bench/analysis/trace_gaps.py TRACE.json.gz --around K [--before-ms 30]  # every stream's work before
+                                                                                 # and during the K-th largest gap
 
 TRACE is written by `step_bench.py --trace` (one profiled step). For every idle gap of the compute stream (the
 stream that launches the most kernels), the kernel that ends it was launched by the CPU at some moment: the part
@@ -12,6 +14,10 @@ of the gap before that launch is time the GPU waited for the CPU ("cpu"); the re
 something else, an event of another stream ("dependency"). During the "cpu" parts, the CPU's own operators are
 listed by self time (the deepest operator running at each moment), so a slow hook or a blocking call shows up.
 Also: each stream's busy time and last activity, CUDA runtime calls that blocked, and a text timeline.
+With --around: what each stream ran (its kernels and copies, consecutive ones of a name as one run) from
+`before-ms` before the K-th largest gap of the compute stream (0: the largest) to its end, in ms from the gap's start,
+and which stream's work ended last before the compute stream went on: the one it waited for, as a rule -- e.g. the
+end of backward, where the next forward waits for the last updates.
 With --against: where two traces of the same step (two tools, two settings) spend their compute stream's time
 differently, kernel by kernel (count and ms in each), largest difference first -- an extra matmul per layer shows
 up as one kernel name with 32 more calls.
@@ -179,6 +185,41 @@ def analyse(trace: dict, top: int = 15, bin_ms: float = 5.0) -> dict:
     }
 
 
+def around(trace: dict, rank: int = 0, before_ms: float = 30.0) -> dict:
+    """Every stream's GPU work from `before_ms` before the `rank`-th largest gap of the compute stream to its end,
+    as runs of consecutive events of one name (whole events that overlap the window; ms from the gap's start), and
+    the stream whose work ended last before the gap did."""
+    found = compute_gaps(trace)
+    gaps = sorted(found["gaps"], key=lambda g: -g["ms"])
+    if rank >= len(gaps):
+        raise SystemExit(f"the compute stream has {len(gaps)} gaps")
+    gap = gaps[rank]
+    a, b = gap["_span"]
+    lo = a - before_ms * 1e3
+
+    def rel(t: float) -> float:
+        return round((t - a) / 1e3, 3)
+
+    streams, last_end = {}, None
+    for sid, evs in found["streams"].items():
+        runs: list[dict] = []
+        for ev in sorted((ev for ev in evs if ev["e"] > lo and ev["s"] < b), key=lambda ev: ev["s"]):
+            name, ms = ev["name"][:80], (ev["e"] - ev["s"]) / 1e3
+            if runs and runs[-1]["name"] == name:
+                runs[-1].update(count=runs[-1]["count"] + 1, to_ms=rel(ev["e"]), busy_ms=runs[-1]["busy_ms"] + ms)
+            else:
+                runs.append({"name": name, "count": 1, "from_ms": rel(ev["s"]), "to_ms": rel(ev["e"]), "busy_ms": ms})
+        for r in runs:
+            r["busy_ms"] = round(r["busy_ms"], 3)
+        ended = [ev["e"] for ev in evs if ev["e"] <= b]
+        if sid != found["compute"] and ended and (last_end is None or max(ended) > last_end[1]):
+            last_end = (sid, max(ended))
+        streams[sid] = {"role": "compute" if sid == found["compute"] else _role(evs), "runs": runs}
+    return {"gap": {k: v for k, v in gap.items() if not k.startswith("_")}, "before_ms": before_ms,
+            "streams": streams, "last_to_end_before_it": None if last_end is None else
+            {"stream": last_end[0], "role": streams[last_end[0]]["role"], "end_ms": rel(last_end[1])}}
+
+
 def _role(evs: list[dict]) -> str:
     copies = defaultdict(int)
     for ev in evs:
@@ -259,7 +300,24 @@ def main() -> None:
     ap.add_argument("--against", help="a second trace: compare the compute streams' kernels")
     ap.add_argument("--inside", metavar="OPERATOR", help="what ran inside this operator's spans (per step)")
     ap.add_argument("--steps", type=int, default=1, help="steps the trace holds (--inside gives figures per step)")
+    ap.add_argument("--around", type=int, metavar="K", help="every stream's work before and during the K-th largest "
+                                                            "gap of the compute stream (0: the largest)")
+    ap.add_argument("--before-ms", type=float, default=30.0, help="with --around: how far before the gap to look")
     a = ap.parse_args()
+    if a.around is not None:
+        r = around(load(a.trace), a.around, a.before_ms)
+        if a.json:
+            print(json.dumps(r, indent=1))
+            return
+        g = r["gap"]
+        print(f"gap at {g['start_ms']} ms: {g['ms']} ms ({g['cpu_ms']} waiting for the CPU, {g['dependency_ms']} for "
+              f"other streams), then {g['next']}; last to end before it: {r['last_to_end_before_it']}")
+        for sid, st in sorted(r["streams"].items(), key=lambda kv: kv[1]["role"] != "compute"):
+            print(f"  {st['role']} {sid}:")
+            for run in st["runs"]:
+                print(f"    {run['from_ms']:9.3f} .. {run['to_ms']:9.3f} ms  x{run['count']:<4d} busy {run['busy_ms']:8.3f}"
+                      f"  {run['name']}")
+        return
     if a.inside:
         print(json.dumps(inside(load(a.trace), a.inside, a.steps, a.top), indent=1))
         return
