@@ -32,9 +32,9 @@ def export_smollm2(out_dir: str) -> str:
     """Convert the GGUF model to a transformers directory at `out_dir` (once; reused when present)."""
     if os.path.isfile(os.path.join(out_dir, "config.json")):
         return out_dir
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
-        what = "is a file" if not os.path.isdir(out_dir) else \
-            f"holds other files ({', '.join(sorted(os.listdir(out_dir))[:3])})"
+    others = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    if others or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
+        what = f"holds other files ({', '.join(others[:3])})" if others else "is a file"
         raise ConfigError(f"example-model: {out_dir!r} {what}, not a model written here before: give a new or empty "
                           f"directory (nothing was written)")
     import torch

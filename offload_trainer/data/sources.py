@@ -5,7 +5,9 @@ the built-in corpora, local files (.txt, .jsonl / .json, .parquet, .csv, .arrow;
 sentence naming the dataset, the split or the line."""
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import lzma
 import os
 from importlib import resources
@@ -126,8 +128,27 @@ def _cached_by_content(kwargs: dict, path: str) -> str:
     return digest
 
 
+@contextlib.contextmanager
+def _readers_quiet():
+    """datasets' file readers log a failure (`Failed to read ...`) before raising it, twice on the console (their own
+    handler and ours): `load` turns what they raise into one sentence that quotes it, so their log says it once more
+    before that. Their warnings still pass."""
+    readers = logging.getLogger("datasets.packaged_modules")
+    level = readers.level
+    readers.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        readers.setLevel(level)
+
+
 def load(data_args, *, split: str):
     """The raw dataset of one split: a `datasets.Dataset`, or an `IterableDataset` with `streaming`."""
+    with _readers_quiet():
+        return _load(data_args, split=split)
+
+
+def _load(data_args, *, split: str):
     import datasets
 
     name = data_args.dataset_path

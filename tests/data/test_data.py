@@ -1,6 +1,7 @@
 """The command's data path on `datasets`: every format from every container gives the same rows, labels token by
 token, packing that trains exactly as the documents one by one, TRL's packing as the oracle, the cache reused."""
 import json
+import logging
 import os
 import shutil
 
@@ -193,6 +194,15 @@ def test_data_damaged_compressed_file(tok, tmp_path):
         f.write('{"text": "a b"}\n{"text": oops}\n')
     with pytest.raises(DataError, match=r"bad.jsonl.gz:2: not valid JSON"):
         build(tok, tmp_path / "bad.jsonl.gz")
+
+
+def test_data_damaged_parquet(tok, tmp_path, caplog):
+    """One sentence quoting the reader, and not the reader's own log line before it (it said the same twice)."""
+    (tmp_path / "d.parquet").write_bytes(b"PAR1garbagegarbagePAR1")
+    with caplog.at_level("DEBUG"), pytest.raises(DataError, match="cannot be loaded: Parquet file size is 22 bytes"):
+        build(tok, tmp_path / "d.parquet")
+    assert "Failed to read" not in caplog.text
+    assert logging.getLogger("datasets.packaged_modules").level == logging.NOTSET  # (put back)
 
 
 def as_parts(messages, split=False):
