@@ -159,6 +159,26 @@ def test_report_prints_a_summary_and_says_what_to_do_without_a_state(tmp_path, c
     assert summary(state) in out
 
 
+def test_report_of_a_config_reads_its_output_dir(tmp_path, capsys, monkeypatch):
+    """`report CONFIG.yaml` reports the run the config writes (its output_dir, relative to where the command runs, or
+    the default); any other file is a sentence (was `no trainer_state.json in c.txt`)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "a").mkdir(parents=True)
+    (tmp_path / "runs" / "a" / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "loss": 2.5}]}))
+    (tmp_path / "c.yaml").write_text("model_config: tiny-llama\noutput_dir: runs/a\n")
+    assert cli.main(["report", "c.yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "run runs/a (the output_dir of c.yaml)" in out and "train loss 2.5000" in out
+    assert (tmp_path / "runs" / "a" / "loss.png").is_file()
+    (tmp_path / "d.yml").write_text("model_config: tiny-llama\n")
+    assert cli.main(["report", "d.yml"]) == 2
+    assert "no trainer_state.json in outputs/run" in capsys.readouterr().err
+    (tmp_path / "c.txt").write_text("x")
+    assert cli.main(["report", "c.txt"]) == 2
+    assert "report reads a run's output_dir, one of its checkpoints, or the config that trained it (.yaml): 'c.txt' " \
+           "is another file" in capsys.readouterr().err
+
+
 def test_report_reads_the_figures_beside_the_trainer_state(tmp_path, capsys):
     """A run of ours: the Trainer's log history in trainer_state.json, our figures in run_figures.json (by step). The
     report puts them together; an unreadable figures file leaves the summary without them, not a traceback."""

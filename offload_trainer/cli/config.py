@@ -247,6 +247,9 @@ def load_yaml(path: str) -> dict[str, Any]:
     return cfg
 
 
+DEFAULT_OUTPUT_DIR = "outputs/run"  # (a config without output_dir)
+
+
 def load_config(path: str | None, overrides: list[str] | None = None) -> dict[str, Any]:
     """Merged, checked config dict (YAML file, then overrides). Raises ConfigError before any model loads."""
     cfg = load_yaml(path) if path else {}
@@ -266,7 +269,7 @@ def load_config(path: str | None, overrides: list[str] | None = None) -> dict[st
         raise ConfigError(str(e)) from None
     for key in ("model_name_or_path", "tokenizer_name_or_path"):
         check_model_path(key, cfg.get(key))
-    cfg.setdefault("output_dir", "outputs/run")
+    cfg.setdefault("output_dir", DEFAULT_OUTPUT_DIR)
     return cfg
 
 

