@@ -219,8 +219,8 @@ def _prepare(raw, data_args, tok, spec: Tokenize, vocab_size: int, where: str):
                     desc="cutting", num_proc=data_args.dataset_num_proc, remove_columns=["input_ids", "labels"],
                     features=_features(("input_ids", "labels")), fn_kwargs=dict(seq_len=seq))
     if hasattr(rows, "_fingerprint"):
+        _untrained(raw, tokenized, spec, where)
         _check(rows, vocab_size, where, data_args)
-        _warn_untrained(raw, tokenized, spec, where)
     rows = rows.remove_columns(list(STATS))
     # Our own tensors, not `with_format("torch")`: datasets' torch (and numpy) formatter imports
     # `torchvision.io.VideoReader` whenever torchvision is loaded, which torchvision 0.26 removed, so datasets up to
@@ -248,28 +248,30 @@ def _features(token_columns):
     return datasets.Features({**ids, **{k: datasets.Value("int64") for k in STATS}})
 
 
-def _untrained_records(tokenized) -> tuple[int, int | None]:
-    """(how many records have tokens but no label that trains, the index of the first): read from the labels column
-    in Arrow's own buffers, one stored chunk at a time."""
+def _untrained_records(tokenized) -> tuple[int, int | None, int]:
+    """(how many records have tokens but no label that trains, the index of the first, how many have tokens): read
+    from the labels column in Arrow's own buffers, one stored chunk at a time."""
     import numpy as np
 
-    count, first, start = 0, None, 0
+    count, first, filled_total, start = 0, None, 0, 0
     for chunk in tokenized.data.table.column("labels").chunks:
         offsets = chunk.offsets.to_numpy()  # (into the values behind a sliced chunk)
         values = chunk.values.to_numpy(zero_copy_only=False)[:offsets[-1]]
         filled = np.flatnonzero(offsets[1:] > offsets[:-1])
+        filled_total += len(filled)
         if len(filled):
             # a record's largest label is IGNORE_INDEX when none trains (the others are token ids, >= 0)
             idle = filled[np.maximum.reduceat(values, offsets[filled]) == IGNORE_INDEX]
             count += len(idle)
             first = start + int(idle[0]) if first is None and len(idle) else first
         start += len(chunk)
-    return count, first
+    return count, first, filled_total
 
 
-def _warn_untrained(raw, tokenized, spec: Tokenize, where: str) -> None:
-    """A word on records that train nothing (a typo in a role, an empty completion): they cost steps, add no loss."""
-    count, first = _untrained_records(tokenized)
+def _untrained(raw, tokenized, spec: Tokenize, where: str) -> None:
+    """Records that train nothing (a typo in a role, an empty completion): a word on them -- they cost steps and add
+    no loss -- or, when no record trains anything, the error, with the first record's reason."""
+    count, first, filled = _untrained_records(tokenized)
     if not count:
         return
     rec = raw[first]
@@ -279,8 +281,12 @@ def _warn_untrained(raw, tokenized, spec: Tokenize, where: str) -> None:
         why = f"with assistant_only_loss only messages whose role is 'assistant' are trained, and its roles are {roles}"
     elif spec.fmt == "prompt_completion" and spec.completion_only:
         why = "completion_only_loss trains the completion only, and its completion renders to no token"
+    row = rec.get(ROW, first) + 1
+    if count == filled:
+        raise DataError(f"{where}: no record trains a token (row {row}: {why}); fix the data, or check "
+                        f"completion_only_loss / assistant_only_loss against it")
     logger.warning("%s: %d of %d records train no token (the first: row %d: %s); they take steps but add no loss: "
-                   "fix or drop them", where, count, len(tokenized), rec.get(ROW, first) + 1, why)
+                   "fix or drop them", where, count, len(tokenized), row, why)
 
 
 def _check(rows, vocab_size: int, where: str, data_args) -> None:

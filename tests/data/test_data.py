@@ -269,6 +269,10 @@ def test_data_records_that_train_no_token(packing, tok, tmp_path, caplog):
         build(tok, path, assistant_only_loss=True, packing=packing)
     assert ("2 of 4 records train no token (the first: row 2: with assistant_only_loss only messages whose role is "
             "'assistant' are trained, and its roles are ['user', 'assistent'])") in caplog.text
+    with pytest.raises(DataError, match=r"no record trains a token \(row 1: with assistant_only_loss only messages whose "
+                                        r"role is 'assistant' are trained, and its roles are \['user', 'assistent'\]\)"):
+        build(tok, write_jsonl(tmp_path / "all.jsonl", [{"messages": TYPO}] * 2), assistant_only_loss=True,
+              packing=packing)
     caplog.clear()
     with caplog.at_level("WARNING", logger="offload_trainer"):
         build(tok, path, packing=packing)
@@ -292,7 +296,7 @@ def test_untrained_records_are_counted_in_every_stored_chunk(tok, tmp_path, capl
     import datasets
 
     split = datasets.Dataset.from_list(records).train_test_split(test_size=0.5, seed=0)["train"]
-    count, _ = _untrained_records(split.flatten_indices())
+    count, _, _ = _untrained_records(split.flatten_indices())
     assert count == sum(r["labels"] == [-100, -100, -100] for r in split)
     caplog.clear()
     with caplog.at_level("WARNING", logger="offload_trainer"):
