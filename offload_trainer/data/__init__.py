@@ -219,8 +219,7 @@ def _prepare(raw, data_args, tok, spec: Tokenize, vocab_size: int, where: str):
                     desc="cutting", num_proc=data_args.dataset_num_proc, remove_columns=["input_ids", "labels"],
                     features=_features(("input_ids", "labels")), fn_kwargs=dict(seq_len=seq))
     if hasattr(rows, "_fingerprint"):
-        _untrained(raw, tokenized, spec, where)
-        _check(rows, vocab_size, where, data_args)
+        _check(rows, vocab_size, where, data_args, untrained=_untrained(raw, tokenized, spec, where))
     rows = rows.remove_columns(list(STATS))
     # Our own tensors, not `with_format("torch")`: datasets' torch (and numpy) formatter imports
     # `torchvision.io.VideoReader` whenever torchvision is loaded, which torchvision 0.26 removed, so datasets up to
@@ -268,12 +267,12 @@ def _untrained_records(tokenized) -> tuple[int, int | None, int]:
     return count, first, filled_total
 
 
-def _untrained(raw, tokenized, spec: Tokenize, where: str) -> None:
+def _untrained(raw, tokenized, spec: Tokenize, where: str) -> int:
     """Records that train nothing (a typo in a role, an empty completion): a word on them -- they cost steps and add
-    no loss -- or, when no record trains anything, the error, with the first record's reason."""
+    no loss -- or, when no record trains anything, the error, with the first record's reason. Returns their count."""
     count, first, filled = _untrained_records(tokenized)
     if not count:
-        return
+        return 0
     rec = raw[first]
     why = "every label of it is -100"
     if spec.fmt == "messages" and spec.assistant_only:
@@ -287,10 +286,12 @@ def _untrained(raw, tokenized, spec: Tokenize, where: str) -> None:
                         f"completion_only_loss / assistant_only_loss against it")
     logger.warning("%s: %d of %d records train no token (the first: row %d: %s); they take steps but add no loss: "
                    "fix or drop them", where, count, len(tokenized), row, why)
+    return count
 
 
-def _check(rows, vocab_size: int, where: str, data_args) -> None:
-    """Every row's ids within the model's vocabulary, something to train on, and a word on what was cut."""
+def _check(rows, vocab_size: int, where: str, data_args, untrained: int = 0) -> None:
+    """Every row's ids within the model's vocabulary, something to train on, and a word on what was cut.
+    `untrained`: records that trained nothing before any cut (already reported)."""
     import pyarrow.compute as pc
 
     if len(rows) == 0:
@@ -301,9 +302,19 @@ def _check(rows, vocab_size: int, where: str, data_args) -> None:
         raise DataError(f"{where}: the tokenizer makes ids up to {top}, but the model's vocabulary has {vocab_size}; "
                         f"use the model's own tokenizer")
     trained = pc.sum(table.column("trained")).as_py()
+    # unpacked, a row is a record: rows that train nothing now but did before lost their trained part to the cut
+    cut_away = 0 if data_args.packing else (pc.sum(pc.equal(table.column("trained"), 0)).as_py() or 0) - untrained
     if not trained:
+        if cut_away:
+            raise DataError(f"{where}: no token carries a loss once the rows are cut to max_seq_length="
+                            f"{data_args.max_seq_length}: what each record trains (its completion, its assistant "
+                            f"turns) lies beyond it; raise max_seq_length")
         raise DataError(f"{where}: no token carries a loss (every label is masked): check completion_only_loss / "
                         f"assistant_only_loss against the data")
+    if cut_away:
+        logger.warning("%s: %d rows train no token once cut to max_seq_length=%d: what they train (the completion, "
+                       "the assistant turns) lies beyond it; raise max_seq_length, or shorten what comes first", where,
+                       cut_away, data_args.max_seq_length)
     dropped = pc.sum(table.column("dropped")).as_py() or 0
     if dropped:
         logger.warning("%s: %d tokens beyond max_seq_length=%d were cut off (%s); packing_strategy: bfd_split or "

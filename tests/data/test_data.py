@@ -281,6 +281,21 @@ def test_data_records_that_train_no_token(packing, tok, tmp_path, caplog):
     assert "train no token" not in caplog.text
 
 
+def test_data_trained_part_beyond_max_seq_length(tok, tmp_path, caplog):
+    """Unpacked rows cut to max_seq_length: a record whose completion lies beyond the cut trained nothing, silently
+    (and when every record did, the error blamed the loss switches, not the cut)."""
+    long = {"prompt": " ".join(["word"] * 40), "completion": " done."}
+    path = write_jsonl(tmp_path / "pc.jsonl", [long, RECORDS["prompt_completion"][0], long])
+    with caplog.at_level("WARNING", logger="offload_trainer"):
+        build(tok, path, packing=False, max_seq_length=16)
+    assert "2 rows train no token once cut to max_seq_length=16: what they train (the completion, the assistant " \
+           "turns) lies beyond it" in caplog.text
+    assert "records train no token" not in caplog.text  # (before the cut every record trained)
+    with pytest.raises(DataError, match="no token carries a loss once the rows are cut to max_seq_length=16: what each "
+                                        "record trains"):
+        build(tok, write_jsonl(tmp_path / "all.jsonl", [long] * 3), packing=False, max_seq_length=16)
+
+
 def test_untrained_records_are_counted_in_every_stored_chunk(tok, tmp_path, caplog):
     """Tokenized records whose labels are all -100, past the first stored chunk and in a held-out split (shuffled:
     the row named is the file's)."""
