@@ -315,8 +315,8 @@ def main() -> None:
         for sid, st in sorted(r["streams"].items(), key=lambda kv: kv[1]["role"] != "compute"):
             print(f"  {st['role']} {sid}:")
             for run in st["runs"]:
-                print(f"    {run['from_ms']:9.3f} .. {run['to_ms']:9.3f} ms  x{run['count']:<4d} busy {run['busy_ms']:8.3f}"
-                      f"  {run['name']}")
+                print(f"    {run['from_ms']:9.3f} .. {run['to_ms']:9.3f} ms  x{run['count']:<4d} "
+                      f"busy {run['busy_ms']:8.3f}  {run['name']}")
         return
     if a.inside:
         print(json.dumps(inside(load(a.trace), a.inside, a.steps, a.top), indent=1))

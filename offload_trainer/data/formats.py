@@ -96,8 +96,9 @@ def _pieces(rec: dict, tok, spec: Tokenize, where: str) -> list[tuple]:
         others = sorted(f for fs in (*_FIELDS.values(), (spec.text_field,)) for f in fs
                         if f not in fields and rec.get(f) is not None)
         if others:
-            raise DataError(f"{where}: has {others} but no {' / '.join(map(repr, fields))}: the file's records are read "
-                            f"as one format, the one other records have ({spec.fmt}); give each record that format")
+            wanted = " / ".join(map(repr, fields))
+            raise DataError(f"{where}: has {others} but no {wanted}: the file's records are read as one format, the "
+                            f"one other records have ({spec.fmt}); give each record that format")
     if spec.fmt == "tokenized":
         ids = rec["input_ids"]
         if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids):

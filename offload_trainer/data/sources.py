@@ -10,6 +10,7 @@ import json
 import logging
 import lzma
 import os
+import re
 from importlib import resources
 
 from ..digest import files_digest
@@ -156,6 +157,12 @@ def _load(data_args, *, split: str):
     builder = kwargs.pop("builder", None)
     streaming = data_args.streaming
     path = resolve(name)
+    if builder is not None and looks_local(name) and os.path.exists(path):
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES as readers
+
+        if builder not in readers:
+            raise DataError(f"dataset_kwargs: builder {builder!r} is none of datasets' readers "
+                            f"({', '.join(sorted(readers))}); a file of a known kind needs none")
     try:
         if looks_local(name) and os.path.isdir(path) and _saved_to_disk(path):
             ds = datasets.load_from_disk(path)
@@ -184,7 +191,18 @@ def _load(data_args, *, split: str):
         raise
     except UnicodeDecodeError as e:
         raise not_utf8(name, e) from None
+    except TypeError as e:
+        if "unexpected keyword argument" not in str(e):
+            raise
+        key = re.search(r"unexpected keyword argument '([^']*)'", str(e))
+        reader = builder or BUILDERS.get(data_ext(path), "its")
+        raise DataError(f"dataset_kwargs: {key.group(1) if key else '?'!r} is not an option of the {reader} reader "
+                        f"of {name!r} (its options are those of the `datasets` reader's config, e.g. json's field, "
+                        f"csv's sep)") from None
     except (datasets.exceptions.DatasetGenerationError, ValueError) as e:
+        if "field" in kwargs and isinstance(_cause(e, KeyError), KeyError):
+            raise DataError(f"dataset {name!r}: no key {kwargs['field']!r} at the top of the JSON (dataset_kwargs: "
+                            f"field names the key that holds the records)") from None
         json_file = os.path.isfile(path) and data_ext(path) in (".jsonl", ".json")
         line = _first_bad_line(path, "json") if json_file else None
         if line is not None:
@@ -255,6 +273,17 @@ def _first_bad_line(path: str, kind: str):
 
 def _where(name: str, path: str, line) -> str:
     return f"{name}:{line[0]}" if line else name
+
+
+def _cause(e: BaseException, kind: type) -> BaseException | None:
+    """The exception of `kind` that `e` is, or was raised from or while handling."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _first_line(e: BaseException) -> str:

@@ -3,6 +3,7 @@ token, packing that trains exactly as the documents one by one, TRL's packing as
 import json
 import logging
 import os
+import re
 import shutil
 
 import pytest
@@ -222,8 +223,9 @@ def test_data_content_as_text_parts(split, tok, tmp_path):
     for records, plain in [([{"messages": as_parts(CHAT, split)}], [{"messages": CHAT}]),
                            ([{"prompt": as_parts(CHAT[:3], split), "completion": as_parts(CHAT[3:], split)}],
                             [{"prompt": CHAT[:3], "completion": CHAT[3:]}])]:
-        got = unpacked(tok, write_jsonl(tmp_path / "parts.jsonl", records), assistant_only_loss="messages" in records[0])
-        want = unpacked(tok, write_jsonl(tmp_path / "plain.jsonl", plain), assistant_only_loss="messages" in plain[0])
+        chat = "messages" in records[0]
+        got = unpacked(tok, write_jsonl(tmp_path / "parts.jsonl", records), assistant_only_loss=chat)
+        want = unpacked(tok, write_jsonl(tmp_path / "plain.jsonl", plain), assistant_only_loss=chat)
         assert got == want and "'type'" not in tok.decode(got[0][0])
 
 
@@ -244,6 +246,18 @@ def test_data_records_inside_a_json_object(tok, tmp_path):
     got = rows(build_datasets(DataArguments(dataset_path=str(tmp_path / "w.json"), max_seq_length=64,
                                             dataset_kwargs={"field": "data"}), tok, vocab_size=512)[0])
     assert got == rows(build(tok, write_jsonl(tmp_path / "d.jsonl", RECORDS["text"]))[0])
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"bogus": 1}, "dataset_kwargs: 'bogus' is not an option of the json reader of"),  # (was a raw TypeError)
+    ({"builder": "nope"}, "dataset_kwargs: builder 'nope' is none of datasets' readers (arrow, "),
+    ({"field": "nope"}, "no key 'nope' at the top of the JSON (dataset_kwargs: field names the key"),  # (was "'nope'")
+])
+def test_data_kwargs_the_reader_does_not_take(kwargs, needle, tok, tmp_path):
+    (tmp_path / "w.json").write_text(json.dumps({"data": RECORDS["text"]}))
+    with pytest.raises(DataError, match=re.escape(needle)):
+        build_datasets(DataArguments(dataset_path=str(tmp_path / "w.json"), dataset_kwargs=kwargs), tok,
+                       vocab_size=512)
 
 
 def test_data_mixed_formats(tok, tmp_path):
@@ -269,8 +283,9 @@ def test_data_records_that_train_no_token(packing, tok, tmp_path, caplog):
         build(tok, path, assistant_only_loss=True, packing=packing)
     assert ("2 of 4 records train no token (the first: row 2: with assistant_only_loss only messages whose role is "
             "'assistant' are trained, and its roles are ['user', 'assistent'])") in caplog.text
-    with pytest.raises(DataError, match=r"no record trains a token \(row 1: with assistant_only_loss only messages whose "
-                                        r"role is 'assistant' are trained, and its roles are \['user', 'assistent'\]\)"):
+    with pytest.raises(DataError, match=r"no record trains a token \(row 1: with assistant_only_loss only messages "
+                                        r"whose role is 'assistant' are trained, and its roles are "
+                                        r"\['user', 'assistent'\]\)"):
         build(tok, write_jsonl(tmp_path / "all.jsonl", [{"messages": TYPO}] * 2), assistant_only_loss=True,
               packing=packing)
     caplog.clear()
