@@ -213,7 +213,10 @@ def _load(data_args, *, split: str):
     except (FileNotFoundError, ConnectionError, *DAMAGED) as e:
         hint = ("" if looks_local(name) else " A Hub dataset needs the network, or a copy in the HF datasets cache "
                 "(HF_DATASETS_OFFLINE=1 reads only that).")
-        raise DataError(f"dataset {name!r} cannot be loaded: {_first_line(e)}.{hint}") from None
+        # (a Hub dataset offline: datasets' own words say so; the cause under them, "not cached in None", does not)
+        reason = str(e).strip().splitlines()[0] if isinstance(e, ConnectionError) and str(e).strip() else \
+            _first_line(e)
+        raise DataError(f"dataset {name!r} cannot be loaded: {reason.rstrip('.')}.{hint}") from None
 
 
 def not_utf8(name: str, e: UnicodeDecodeError) -> DataError:

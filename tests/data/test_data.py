@@ -260,6 +260,18 @@ def test_data_kwargs_the_reader_does_not_take(kwargs, needle, tok, tmp_path):
                        vocab_size=512)
 
 
+def test_data_hub_dataset_offline(tok, monkeypatch):
+    """A Hub name that is not in the cache, offline: datasets' own words (the cause under them said `is not cached in
+    None`) and what it needs."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match=r"dataset 'someorg/nothing-here' cannot be loaded: Couldn't reach "
+                                        r"'someorg/nothing-here' on the Hub \(OfflineModeIsEnabled\)\. A Hub dataset "
+                                        r"needs the network"):
+        build_datasets(DataArguments(dataset_name="someorg/nothing-here"), tok, vocab_size=512)
+
+
 def test_data_mixed_formats(tok, tmp_path):
     """A file whose records are in two formats said `messages is null (or missing)` for a record that had text."""
     path = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a b c"}, {"messages": CHAT}])
