@@ -40,6 +40,9 @@ ROWS = {
     "override-typo": ("model_overrides: {num_hidden_layer: 2}\n", 2,
                       "model_overrides: 'num_hidden_layer' is not a field of tiny-llama's LlamaConfig. Did you mean "
                       "'num_hidden_layers'?"),
+    "override-the-config-refuses": ("model_overrides: {hidden_size: 63}\n", 2,  # (was a raw validation traceback)
+                                    "model_overrides {'hidden_size': 63}: The hidden size (63) is not a multiple of "
+                                    "the number of attention heads (4)."),
     "empty-output-dir": ("output_dir: ''\n", 2, "output_dir is empty"),
     "tracker-not-installed": ("report_to: wandb\n", 2, "report_to: 'wandb' is not installed (pip install wandb)"),
     "unknown-tracker": ("report_to: tensorbored\n", 2, "report_to: 'tensorbored' is not a tracker the Trainer knows"),

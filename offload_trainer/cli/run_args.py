@@ -54,7 +54,17 @@ class ModelArguments:
         if self.model_config is not None:
             from ..models import architecture_config
 
-            architecture_config(self.model_config, self.model_overrides)  # an unknown name or override key fails
+            try:
+                from huggingface_hub.errors import StrictDataclassError
+            except ImportError:  # (a huggingface_hub without strict dataclasses: nothing of that kind to catch)
+                StrictDataclassError = ()
+
+            try:  # an unknown name or override key fails; so do values the config's own validators refuse
+                architecture_config(self.model_config, self.model_overrides)
+            except StrictDataclassError as e:  # (transformers' config checks: not ValueErrors, and several lines)
+                last = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
+                raise ValueError(f"model_overrides {self.model_overrides}: {last.removeprefix('ValueError: ')}") \
+                    from None
         if self.load_in_4bit and not self.lora_r:
             raise ValueError("load_in_4bit freezes the base in 4 bits: set lora_r (e.g. 16) to train adapters on it")
         if self.lora_r < 0:
