@@ -43,6 +43,9 @@ ROWS = {
     "override-the-config-refuses": ("model_overrides: {hidden_size: 63}\n", 2,  # (was a raw validation traceback)
                                     "model_overrides {'hidden_size': 63}: The hidden size (63) is not a multiple of "
                                     "the number of attention heads (4)."),
+    "override-heads-not-a-multiple": ("model_overrides: {num_key_value_heads: 3}\n", 2,  # (was a RuntimeError at the
+                                      # first forward)
+                                      "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
     "empty-output-dir": ("output_dir: ''\n", 2, "output_dir is empty"),
     "tracker-not-installed": ("report_to: wandb\n", 2, "report_to: 'wandb' is not installed (pip install wandb)"),
     "unknown-tracker": ("report_to: tensorbored\n", 2, "report_to: 'tensorbored' is not a tracker the Trainer knows"),

@@ -60,11 +60,17 @@ class ModelArguments:
                 StrictDataclassError = ()
 
             try:  # an unknown name or override key fails; so do values the config's own validators refuse
-                architecture_config(self.model_config, self.model_overrides)
+                config = architecture_config(self.model_config, self.model_overrides)
             except StrictDataclassError as e:  # (transformers' config checks: not ValueErrors, and several lines)
                 last = [line.strip() for line in str(e).splitlines() if line.strip()][-1]
                 raise ValueError(f"model_overrides {self.model_overrides}: {last.removeprefix('ValueError: ')}") \
                     from None
+            heads, kv = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+            if isinstance(heads, int) and isinstance(kv, int) and kv > 0 and heads % kv:  # (no validator has it:
+                # the first forward failed on a shape mismatch)
+                raise ValueError(f"model_overrides {self.model_overrides}: num_attention_heads={heads} is not a "
+                                 f"multiple of num_key_value_heads={kv} (each key/value head serves a whole group "
+                                 f"of query heads)")
         if self.load_in_4bit and not self.lora_r:
             raise ValueError("load_in_4bit freezes the base in 4 bits: set lora_r (e.g. 16) to train adapters on it")
         if self.lora_r < 0:
