@@ -15,7 +15,7 @@ import torch
 from ..errors import DataError
 from .formats import IGNORE_INDEX, ROW, Tokenize, detect_format, has_generation_markers, tokenize_batch
 from .packing import STATS, STRATEGIES, PaddingCollator, pack_batch, truncate_batch
-from .sources import BUILTIN, check_source, load, not_utf8, resolve
+from .sources import BUILTIN, cause_of, check_source, load, not_utf8, resolve
 from .vision import ImageTextCollator, ImageTextRecords, RandomImageText, build_processor
 
 __all__ = ["IGNORE_INDEX", "DataError", "build_datasets", "build_image_text", "build_processor", "data_collator",
@@ -190,13 +190,7 @@ def _map(ds, fn, *, fingerprint: str, desc: str, num_proc, **kw):
 
 def _interrupt_behind(e: BaseException) -> KeyboardInterrupt | None:
     """The KeyboardInterrupt (a Ctrl-C, or SIGTERM as the command raises it) that `e` is, or was raised while handling."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        if isinstance(e, KeyboardInterrupt):
-            return e
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
-    return None
+    return cause_of(e, KeyboardInterrupt)
 
 
 def _prepare(raw, data_args, tok, spec: Tokenize, vocab_size: int, where: str):

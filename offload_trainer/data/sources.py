@@ -1,11 +1,12 @@
 """Where training data comes from, loaded with `datasets` (memory-mapped Arrow, its cache reused between runs):
 the built-in corpora, local files (.txt, .jsonl / .json, .parquet, .csv, .arrow; the text ones may be compressed:
-.gz, .bz2, .xz), a directory written by
-`save_to_disk` or holding data files, and Hub datasets by name (offline from the HF cache). Every failure is one
-sentence naming the dataset, the split or the line."""
+.gz, .bz2, .xz), a directory written by `save_to_disk` or holding data files, and Hub datasets by name (offline from
+the HF cache). Every failure is one sentence naming the dataset, the split or the line."""
 from __future__ import annotations
 
+import bz2
 import contextlib
+import gzip
 import json
 import logging
 import lzma
@@ -26,7 +27,7 @@ BUILTIN = {"builtin": "corpus.txt", "builtin-sft": "sft.jsonl"}
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv",
             ".arrow": "arrow"}
 # Compression that datasets undoes as it reads a data file (Python's own codecs), and how to open it here.
-COMPRESSED = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
+COMPRESSED = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
 DAMAGED = (OSError, EOFError, lzma.LZMAError)  # what reading a damaged compressed file raises
 
 
@@ -38,12 +39,7 @@ def data_ext(path: str) -> str:
 
 def _open_bytes(path: str):
     """A data file's bytes, decompressed."""
-    codec = COMPRESSED.get(os.path.splitext(path.lower())[1])
-    if codec is None:
-        return open(path, "rb")
-    import importlib
-
-    return importlib.import_module(codec).open(path, "rb")
+    return COMPRESSED.get(os.path.splitext(path.lower())[1], open)(path, "rb")
 
 
 def resolve(name: str) -> str:
@@ -192,15 +188,15 @@ def _load(data_args, *, split: str):
     except UnicodeDecodeError as e:
         raise not_utf8(name, e) from None
     except TypeError as e:
-        if "unexpected keyword argument" not in str(e):
-            raise
         key = re.search(r"unexpected keyword argument '([^']*)'", str(e))
+        if key is None:
+            raise
         reader = builder or BUILDERS.get(data_ext(path), "its")
-        raise DataError(f"dataset_kwargs: {key.group(1) if key else '?'!r} is not an option of the {reader} reader "
+        raise DataError(f"dataset_kwargs: {key.group(1)!r} is not an option of the {reader} reader "
                         f"of {name!r} (its options are those of the `datasets` reader's config, e.g. json's field, "
                         f"csv's sep)") from None
     except (datasets.exceptions.DatasetGenerationError, ValueError) as e:
-        if "field" in kwargs and isinstance(_cause(e, KeyError), KeyError):
+        if "field" in kwargs and cause_of(e, KeyError) is not None:
             raise DataError(f"dataset {name!r}: no key {kwargs['field']!r} at the top of the JSON (dataset_kwargs: "
                             f"field names the key that holds the records)") from None
         json_file = os.path.isfile(path) and data_ext(path) in (".jsonl", ".json")
@@ -278,7 +274,7 @@ def _where(name: str, path: str, line) -> str:
     return f"{name}:{line[0]}" if line else name
 
 
-def _cause(e: BaseException, kind: type) -> BaseException | None:
+def cause_of(e: BaseException, kind: type) -> BaseException | None:
     """The exception of `kind` that `e` is, or was raised from or while handling."""
     seen = set()
     while e is not None and id(e) not in seen:
