@@ -170,6 +170,29 @@ def test_bad_image_records_name_the_row(case, needle, tmp_path, capsys, no_model
     assert rc == 2 and needle in err, err[-2000:]
 
 
+def test_data_image_text_records_that_train_no_token(tmp_path, caplog):
+    """A record whose answer's role is misspelt trained nothing, silently (the collator trains the assistant turns
+    only): a warning names how many and the first; when none has an assistant turn, the error."""
+    from offload_trainer.cli.run_args import DataArguments
+    from offload_trainer.data import DataError, build_image_text
+
+    data = write_data(tmp_path, 3)
+    recs = [json.loads(line) for line in data.read_text().splitlines()]
+    recs[1]["messages"][1]["role"] = "assistent"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with caplog.at_level("WARNING", logger="offload_trainer"):
+        train, _ = build_image_text(DataArguments(dataset_path=str(data)), config=None)
+    assert len(train) == 3
+    assert ("1 of 3 records train no token (the first: row 2: only messages whose role is 'assistant' are trained, "
+            "and its roles are ['user', 'assistent'])") in caplog.text
+    for r in recs:
+        r["messages"][1]["role"] = "gpt"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(DataError, match=r"no record trains a token \(the first: row 1: .* its roles are \['user', "
+                                        r"'gpt'\]\); fix the data"):
+        build_image_text(DataArguments(dataset_path=str(data)), config=None)
+
+
 def test_random_image_text_rows_train(tmp_path, capsys):
     """`dataset_path: random` for a vision-language model: random tokens and images (the throughput check)."""
     rc, err = train(tmp_path, capsys, config(tmp_path, "random", random_num_samples=8, max_steps=2))
