@@ -13,7 +13,8 @@ import os
 import torch
 
 from ..errors import DataError
-from .formats import IGNORE_INDEX, ROW, Tokenize, detect_format, has_generation_markers, tokenize_batch
+from .formats import (IGNORE_INDEX, ROW, Tokenize, detect_format, has_generation_markers, say_untrained,
+                      tokenize_batch)
 from .packing import STATS, STRATEGIES, PaddingCollator, pack_batch, truncate_batch
 from .sources import BUILTIN, cause_of, check_source, load, not_utf8, resolve
 from .vision import ImageTextCollator, ImageTextRecords, RandomImageText, build_processor
@@ -262,8 +263,7 @@ def _untrained_records(tokenized) -> tuple[int, int | None, int]:
 
 
 def _untrained(raw, tokenized, spec: Tokenize, where: str) -> int:
-    """Records that train nothing (a typo in a role, an empty completion): a word on them -- they cost steps and add
-    no loss -- or, when no record trains anything, the error, with the first record's reason. Returns their count."""
+    """Records that train nothing, said with the first one's reason (`say_untrained`). Returns their count."""
     count, first, filled = _untrained_records(tokenized)
     if not count:
         return 0
@@ -274,12 +274,8 @@ def _untrained(raw, tokenized, spec: Tokenize, where: str) -> int:
         why = f"with assistant_only_loss only messages whose role is 'assistant' are trained, and its roles are {roles}"
     elif spec.fmt == "prompt_completion" and spec.completion_only:
         why = "completion_only_loss trains the completion only, and its completion renders to no token"
-    row = rec.get(ROW, first) + 1
-    if count == filled:
-        raise DataError(f"{where}: no record trains a token (row {row}: {why}); fix the data, or check "
-                        f"completion_only_loss / assistant_only_loss against it")
-    logger.warning("%s: %d of %d records train no token (the first: row %d: %s); they take steps but add no loss: "
-                   "fix or drop them", where, count, len(tokenized), row, why)
+    say_untrained(where, count, filled, rec.get(ROW, first) + 1, why,
+                  "fix the data, or check completion_only_loss / assistant_only_loss against it")
     return count
 
 

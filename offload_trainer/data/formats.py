@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from ..errors import DataError
@@ -56,6 +57,16 @@ def detect_format(columns: list[str], text_field: str, where: str) -> str:
                 f"dataset_kwargs: {{field: {columns[0]}}})")
     raise DataError(f"{where}: records have columns {sorted(columns)}; expected {text_field!r} (dataset_text_field), "
                     f"'messages', 'prompt' + 'completion', or 'input_ids'{hint}")
+
+
+def say_untrained(where: str, count: int, total: int, row: int, why: str, fix: str) -> None:
+    """The word on records that train no token (a typo in a role, an empty completion): a warning -- they take steps
+    and add no loss -- or, when none of the `total` records trains, the error. `row` and `why`: the first one's."""
+    if count == total:
+        raise DataError(f"{where}: no record trains a token (the first: row {row}: {why}); {fix}")
+    logging.getLogger("offload_trainer").warning(
+        "%s: %d of %d records train no token (the first: row %d: %s); they take steps but add no loss: fix or drop "
+        "them", where, count, total, row, why)
 
 
 def has_generation_markers(tokenizer) -> bool:

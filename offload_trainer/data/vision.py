@@ -10,15 +10,12 @@ model takes: `pixel_values`, `aspect_ratio_ids` / `aspect_ratio_mask`, `cross_at
 """
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from ..errors import DataError
-from .formats import IGNORE_INDEX, Tokenize, _conversation, row_number
-
-logger = logging.getLogger("offload_trainer")
+from .formats import IGNORE_INDEX, Tokenize, _conversation, row_number, say_untrained
 
 # A chat template for processors built here (random-init named architectures): image parts become the image token.
 IMAGE_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{% for c in m['content'] %}{% if c['type'] == 'image' %}"
@@ -72,12 +69,8 @@ class ImageTextRecords(torch.utils.data.Dataset):
             if "assistant" not in roles:
                 idle.append((row_number(rec, i), roles))
         if idle:
-            why = (f"the first: row {idle[0][0]}: only messages whose role is 'assistant' are trained, and its roles "
-                   f"are {idle[0][1]}")
-            if len(idle) == len(raw):
-                raise DataError(f"{where}: no record trains a token ({why}); fix the data")
-            logger.warning("%s: %d of %d records train no token (%s); they take steps but add no loss: fix or drop "
-                           "them", where, len(idle), len(raw), why)
+            say_untrained(where, len(idle), len(raw), idle[0][0], f"only messages whose role is 'assistant' are "
+                          f"trained, and its roles are {idle[0][1]}", "fix the data")
 
     def _check(self, row: int, rec: dict) -> None:
         where = f"{self.where} row {row}"

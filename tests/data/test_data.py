@@ -295,7 +295,7 @@ def test_data_records_that_train_no_token(packing, tok, tmp_path, caplog):
         build(tok, path, assistant_only_loss=True, packing=packing)
     assert ("2 of 4 records train no token (the first: row 2: with assistant_only_loss only messages whose role is "
             "'assistant' are trained, and its roles are ['user', 'assistent'])") in caplog.text
-    with pytest.raises(DataError, match=r"no record trains a token \(row 1: with assistant_only_loss only messages "
+    with pytest.raises(DataError, match=r"no record trains a token \(the first: row 1: with assistant_only_loss only messages "
                                         r"whose role is 'assistant' are trained, and its roles are "
                                         r"\['user', 'assistent'\]\)"):
         build(tok, write_jsonl(tmp_path / "all.jsonl", [{"messages": TYPO}] * 2), assistant_only_loss=True,
