@@ -244,7 +244,7 @@ def main() -> None:
     if built:
         row["extra"]["activation_offload"] = bool(built[0]._run.want_activations)  # (read by make_table)
         opt = built[0]._run.optimizer
-        if opt is not None:  # (bytes over PCIe, updates, chunks whose states were copied ahead of their update)
+        if opt is not None:  # (bytes over PCIe each way, updates queued)
             row["extra"]["optimizer_stats"] = dict(opt.stats)
         if opt is not None and opt.speculative:  # clipped speculatively: what the clip did over the run
             row["system"] = row["system"].replace("offload_trainer_cli", "offload_trainer_cli_speculative")

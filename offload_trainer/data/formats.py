@@ -144,8 +144,7 @@ def _text_parts_joined(messages, where: str):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             for part in content:
-                kind = part.get("type") if isinstance(part, dict) else _kind(part)
-                if kind != "text" or not isinstance(part.get("text"), str):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                     raise DataError(f"{where}: message {j + 1}'s content has a part {part!r:.80}; a text run reads "
                                     f"text parts only ({{'type': 'text', 'text': ...}}): drop the others, or train a "
                                     f"vision model on images")
