@@ -167,9 +167,13 @@ def predict(row: dict, *counts, clipping: str = "ran") -> list[dict]:
     keep = [o for o in overrides if not o.startswith(("output_dir=", "model_name_or_path=", "model_config=",
                                                       "layer_swap="))]
     model_args, data_args, args = parse_args(load_config(os.path.join(HERE, "..", "..", config), keep))
-    # (the clipping the run had: the planner's choice between exact and speculative has changed since some rows)
+    # (the clipping and the activation offload the run had: the planner's choices have changed since some rows --
+    # with activation offload it now keeps the input embedding's states on the GPU where that frees the room)
     settings = dataclasses.replace(OffloadSettings.from_args(args), speculative_clipping=ran_speculative(row)
                                    if clipping == "ran" else None)
+    ran_act = row["extra"].get("activation_offload")
+    if clipping == "ran" and ran_act is not None and settings.activation_offload is None:
+        settings = dataclasses.replace(settings, activation_offload=ran_act)
     cfg = architecture_config(row["model"] if not row["model"].startswith("/") else model_args.model_config)
     seq = data_args.max_seq_length
     # the switches the run's plan decided (on the held card), then that plan at each resident count the run ran with

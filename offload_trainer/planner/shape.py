@@ -53,6 +53,9 @@ class Machine:
     # fixed time per updated value, not a share of the step: 8B spent 1.05-1.09 s a step at 4 x 2048 in six runs,
     # 2.54 s at 16k and 6.15 s at 32k (speculative clipping, not firing), each within 2% of its compute plus 30 ms
     update_beside_s_per_param: float = 3.7e-12
+    # the fused update with the GPU otherwise idle (the input embedding's, after backward, its states on the GPU): 6.9 ms
+    # for 8B's 525M values (s66a)
+    update_alone_s_per_param: float = 1.3e-11
     # exact clipping with streamed states: after backward the host reads the norm, then queues the updates, and the
     # next forward waits for its first unit's (the input embedding's states and gradient over PCIe, then its update).
     # At 32k, with no copy stall in the step, exact ran 62 ms a step slower than speculative clipping (s58b): 41 ms
