@@ -95,7 +95,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                 lora_params or switches["activation_offload"] or switches["resident"] < shape.layers):
             tried[-1] = p = _with_device_states(p, functools.partial(est, batch=batch, seq=seq, **switches), shape, n,
                                                 gpu_usable, gpu_memory_limit_gb)
-            if not p.device_states_scope and activation_offload is None:
+            if not p.device_states_scope and activation_offload is None and not clip:
                 tried[-1] = p = _embedding_for_activations(p, functools.partial(
                     est, batch=batch, seq=seq, **dict(switches, activation_offload=True)), shape, gpu_usable, host_usable)
         if p.fits:
@@ -173,7 +173,10 @@ def _embedding_for_activations(p: Plan, est, shape: ModelShape, gpu_usable: floa
     to pinned memory instead (`est` has activation offload on) make the room, taken when the step that saves (its
     states' copies after backward, `estimate._first_unit_kept`) is predicted faster than the one it has. Only the
     embedding's: a tight plan gets no more (8B at 4 x 2048 on a 24 GiB card: 1.0 GiB of states for 2.0 GiB of
-    activations moved off the GPU; +1.3% tok/s measured in three device runs, s50b, s66a, s66b)."""
+    activations moved off the GPU; +1.3-1.5% tok/s measured without clipping, s50b, s66a, s66b, s66c). Only without
+    clipping: with speculative clipping the copy engines already carry the weights' backups, and the activations'
+    copies beside them made the step 4.3% slower (s66c), which the step model does not see; exact clipping's was not
+    measured."""
     want = STATE_BYTES_PER_VALUE * shape.vocab * shape.hidden
     e = est(device_states=want)
     if e["reserved"] > gpu_usable - DEVICE_STATE_MARGIN_GIB * GiB or e["host"] > host_usable or e["step"] >= p.step_s:
