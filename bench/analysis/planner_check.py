@@ -113,6 +113,9 @@ CASES = [
      "final", "llama3.2-90b-vision"),
     ("Llama-3-70B QLoRA 1 x 2048, auto", "2026-12-04-s61.json", "20261204-s61b", "offload_trainer_cli", 2048, "final",
      "llama3-70b"),
+    # the input embedding's states on the GPU, the layer inputs offloaded for them (the planner's choice since 20fd8c8)
+    ("Llama-3-8B 4 x 2048, no clipping, embedding's states on the GPU", "2026-12-04-s66.json", "20261204-s66c",
+     "offload_trainer_cli_noclip", 2048, None),
 ]
 
 # Cases known to be outside the bound, (run id, label) -> why; the test holds this to be exactly the cases outside, so
@@ -167,13 +170,13 @@ def predict(row: dict, *counts, clipping: str = "ran") -> list[dict]:
     keep = [o for o in overrides if not o.startswith(("output_dir=", "model_name_or_path=", "model_config=",
                                                       "layer_swap="))]
     model_args, data_args, args = parse_args(load_config(os.path.join(HERE, "..", "..", config), keep))
-    # (the clipping and the activation offload the run had: the planner's choices have changed since some rows --
-    # with activation offload it now keeps the input embedding's states on the GPU where that frees the room)
+    # (the clipping the run had: the planner's choice between exact and speculative has changed since some rows; and
+    # a run without activation offload is planned so: without clipping the planner now offloads the layer inputs
+    # where that leaves room for the input embedding's states)
     settings = dataclasses.replace(OffloadSettings.from_args(args), speculative_clipping=ran_speculative(row)
                                    if clipping == "ran" else None)
-    ran_act = row["extra"].get("activation_offload")
-    if clipping == "ran" and ran_act is not None and settings.activation_offload is None:
-        settings = dataclasses.replace(settings, activation_offload=ran_act)
+    if clipping == "ran" and row["extra"].get("activation_offload") is False and settings.activation_offload is None:
+        settings = dataclasses.replace(settings, activation_offload=False)
     cfg = architecture_config(row["model"] if not row["model"].startswith("/") else model_args.model_config)
     seq = data_args.max_seq_length
     # the switches the run's plan decided (on the held card), then that plan at each resident count the run ran with
