@@ -250,16 +250,21 @@ def _first_unit_kept(x) -> float:
     after backward's last kernel, and the next forward, whose first unit it is, waits for them (8B at 4 x 2048: 19.5 ms
     a step, of which its update 7 ms, bench/results s66). The rates above were fitted on such steps, so the streamed
     wait is in them: what this returns is the (negative) time saved where those states stay on the GPU."""
-    if x.lora or x.device_states < STATE_BYTES_PER_VALUE * x.largest:
+    if x.lora or not _first_unit_on_gpu(x):
         return 0.0
     return x.largest * (x.m.update_alone_s_per_param - STATE_BYTES_PER_VALUE / (x.m.h2d_gb_s * 1e9))
+
+
+def _first_unit_on_gpu(x) -> bool:
+    """Whether the input embedding's states (the largest tensor's, at least) stay on the GPU."""
+    return x.device_states >= STATE_BYTES_PER_VALUE * x.largest
 
 
 def _exact_restart(x) -> float:
     """Exact clipping's pause between backward and the next forward: the host reads the norm, then the input
     embedding (the forward's first unit, and the last gradient of backward) has its states and gradient brought over
     PCIe and updated before the forward can use it -- unless its states stay on the GPU."""
-    if x.device_states >= STATE_BYTES_PER_VALUE * x.largest:  # (updated in place on the GPU, as native AdamW does)
+    if _first_unit_on_gpu(x):  # (updated in place on the GPU, as native AdamW does)
         return 0.0
     first = (STATE_BYTES_PER_VALUE + (x.wb if x.og else 0)) * x.largest
     return x.m.exact_restart_s + first / (x.m.h2d_gb_s * 1e9)

@@ -96,12 +96,11 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
             tried[-1] = p = _with_device_states(p, functools.partial(est, batch=batch, seq=seq, **switches), shape, n,
                                                 gpu_usable, gpu_memory_limit_gb)
             if not p.device_states_scope and activation_offload is None and not clip:
-                tried[-1] = p = _embedding_for_activations(p, functools.partial(
-                    est, batch=batch, seq=seq, **dict(switches, activation_offload=True)), shape, gpu_usable, host_usable)
+                with_acts = functools.partial(est, batch=batch, seq=seq, **dict(switches, activation_offload=True))
+                tried[-1] = p = _embedding_for_activations(p, with_acts, shape, gpu_usable, host_usable)
         if p.fits:
             if clip and not lora_params:
-                chosen = dict(switches, activation_offload=p.activation_offload)  # (`_embedding_for_activations`)
-                p = _with_speculation(p, functools.partial(est, batch=batch, seq=seq, **chosen,
+                p = _with_speculation(p, functools.partial(est, batch=batch, seq=seq, **switches,
                                                            device_states=p.device_state_gib * GiB),
                                       host_usable, host_memory_gb, speculative)
             p.notes += _notes(p, e, shape, weight_bytes)
@@ -146,6 +145,11 @@ def _candidates(layers: int, layer_swap, activation_offload, offload_gradients, 
             return  # fewer resident layers only need more host RAM
 
 
+def _embedding_state_bytes(shape: ModelShape) -> int:
+    """The input embedding's 8-bit states: the first tensor `device_states` keeps on the GPU."""
+    return STATE_BYTES_PER_VALUE * shape.vocab * shape.hidden
+
+
 def _with_device_states(p: Plan, est, shape: ModelShape, n: int, gpu_usable: float, gpu_gb: float) -> Plan:
     """`device_states: auto`: the input embedding's states on the GPU, when the plan leaves room for them (and their
     gradient, when gradients would wait on the host) within the GPU budget less `DEVICE_STATE_MARGIN_GIB`; then the
@@ -154,7 +158,7 @@ def _with_device_states(p: Plan, est, shape: ModelShape, n: int, gpu_usable: flo
     where the plan needs neither activation offload nor layer swap to fit (a tight plan gets no extras). Backward
     reaches the embedding last, so its states' copies would follow backward's last kernel (3B with its tied
     embedding at 4 x 2048 on the H200: ~16 ms of a 0.54 s step)."""
-    want = STATE_BYTES_PER_VALUE * shape.vocab * shape.hidden
+    want = _embedding_state_bytes(shape)
     e2 = est(device_states=want)
     if e2["reserved"] > gpu_usable - DEVICE_STATE_MARGIN_GIB * GiB:
         return p
@@ -177,7 +181,7 @@ def _embedding_for_activations(p: Plan, est, shape: ModelShape, gpu_usable: floa
     clipping: with speculative clipping the copy engines already carry the weights' backups, and the activations'
     copies beside them made the step 4.3% slower (s66c), which the step model does not see; exact clipping's was not
     measured."""
-    want = STATE_BYTES_PER_VALUE * shape.vocab * shape.hidden
+    want = _embedding_state_bytes(shape)
     e = est(device_states=want)
     if e["reserved"] > gpu_usable - DEVICE_STATE_MARGIN_GIB * GiB or e["host"] > host_usable or e["step"] >= p.step_s:
         return p
