@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -27,3 +28,100 @@ def test_chunked_loss_and_grads_match_full_logits():
         torch.testing.assert_close(ours, ref)
         for a, r in zip(g, g_ref):
             torch.testing.assert_close(a, r)
+
+
+def _bf16_case(seed=0, vocab=50, d=16):
+    torch.manual_seed(seed)
+    h = torch.randn(3, 37, d, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(vocab, d, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (3, 37))
+    labels[1, 5:20] = -100
+    return h, w, labels
+
+
+def test_gradients_computed_with_the_loss_equal_the_checkpointed_chunks():
+    """The reference is the recomputing path (each chunk checkpointed): same kernels, so the loss and the hidden
+    states' gradient are bit-equal for a unit gradient; the head's weight gradient is summed over chunks in another
+    order (one rounding per chunk instead of two), so it is equal to bf16 rounding; a scaled backward scales both."""
+    from offload_trainer.engine.loss import _checkpointed_sum
+    h, w, labels = _bf16_case()
+    targets = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    for scale in (1.0, 0.25):
+        ref = _checkpointed_sum(h.reshape(-1, 16), w, None, targets, 16, True) / (targets != -100).sum()
+        g_ref = torch.autograd.grad(ref * scale, (h, w))
+        ours = chunked_causal_lm_loss(h, labels, w, None, chunk_size=16)
+        assert ours.grad_fn is not None and "LossAndGrads" in type(ours.grad_fn).__name__
+        g = torch.autograd.grad(ours * scale, (h, w))
+        assert torch.equal(ours, ref)
+        if scale == 1.0:
+            assert torch.equal(g[0], g_ref[0])
+        torch.testing.assert_close(g[0], g_ref[0])
+        torch.testing.assert_close(g[1], g_ref[1], atol=2e-3, rtol=1.6e-2)
+
+
+def test_the_head_runs_once_per_chunk_in_training():
+    """No recompute in backward: each chunk's softmax (and head matmul) runs once per forward and backward; the
+    checkpointed path runs them twice."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += func is torch.ops.aten._log_softmax.default
+            return func(*args, **(kwargs or {}))
+
+    h, w, labels = _bf16_case()
+    with Count():
+        chunked_causal_lm_loss(h, labels, w, None, chunk_size=16).backward()
+    assert Count.n == 7  # ceil(3 * 37 / 16) chunks
+
+
+def test_frozen_head_and_mixed_dtypes_match_full_logits():
+    """A head that takes no gradient (LoRA) gets none; a float32 head under bf16 autocast takes the checkpointed
+    path (autocast casts inside it), and both match the full logits."""
+    h, w, labels = _bf16_case()
+    w.requires_grad_(False)
+    ours = chunked_causal_lm_loss(h, labels, w, None, chunk_size=16)
+    (gh,) = torch.autograd.grad(ours, (h,))
+    ref = reference(h, labels, w, None)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(gh, torch.autograd.grad(ref, (h,))[0])
+    w32 = w.detach().float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = chunked_causal_lm_loss(h, labels, w32, None, chunk_size=16)
+        ref = reference(h, labels, w32, None)
+        assert "LossAndGrads" not in type(ours.grad_fn).__name__
+    torch.testing.assert_close(ours, ref)
+    for a, r in zip(torch.autograd.grad(ours, (h, w32)), torch.autograd.grad(ref, (h, w32))):
+        torch.testing.assert_close(a, r, atol=2e-3, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
+def test_gradients_with_the_loss_on_the_gpu_at_a_real_vocabulary():
+    """On CUDA (cuBLAS, the fused softmax kernels) at Llama-3's vocabulary: the loss and the hidden states' gradient
+    bit-equal the checkpointed chunks', the head's weight gradient equal to bf16 rounding, and the memory above the
+    inputs peaks no higher than the checkpointed chunks' (one chunk's fp32 tensors at a time in both)."""
+    from offload_trainer.engine.loss import _checkpointed_sum
+    torch.manual_seed(0)
+    vocab, d, tokens, chunk = 128256, 256, 4096, 1024
+    h = torch.randn(1, tokens, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(vocab, d, device="cuda", dtype=torch.bfloat16) / 16).requires_grad_()
+    labels = torch.randint(0, vocab, (1, tokens), device="cuda")
+    targets = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
+    peaks, out = [], []
+    for fused in (False, True):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        if fused:
+            loss = chunked_causal_lm_loss(h, labels, w, None, chunk_size=chunk)
+        else:
+            loss = _checkpointed_sum(h.reshape(-1, d), w, None, targets, chunk, True) / (targets != -100).sum()
+        out.append((loss, *torch.autograd.grad(loss, (h, w))))
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    (ref, gh_ref, gw_ref), (ours, gh, gw) = out
+    assert torch.equal(ours, ref)
+    assert torch.equal(gh, gh_ref)
+    torch.testing.assert_close(gw, gw_ref, atol=2e-3, rtol=1.6e-2)
+    assert peaks[1] <= peaks[0], peaks
