@@ -98,10 +98,32 @@ def test_frozen_head_and_mixed_dtypes_match_full_logits():
 
 
 @pytest.mark.gpu
-def test_gradients_with_the_loss_on_the_gpu_at_a_real_vocabulary():
-    """On CUDA (cuBLAS, the fused softmax kernels) at Llama-3's vocabulary: the loss and the hidden states' gradient
-    bit-equal the checkpointed chunks', the head's weight gradient equal to bf16 rounding, and the memory above the
-    inputs peaks no higher than the checkpointed chunks' (one chunk's fp32 tensors at a time in both)."""
+def test_the_cross_entropy_kernel_matches_the_aten_kernels():
+    """`ce_kernel` against the aten path it replaces on CUDA: each row's loss to float32 rounding, the gradient to
+    bf16's (ignored rows zero), at a vocabulary of Llama-3's size and at one that is no multiple of its block."""
+    from offload_trainer.engine import ce_kernel
+    from offload_trainer.engine.loss import _loss_and_grad
+    torch.manual_seed(0)
+    for vocab in (128256, 5003):
+        logits = (torch.randn(300, vocab, device="cuda") * 3).to(torch.bfloat16)
+        y = torch.randint(0, vocab, (300,), device="cuda")
+        y[::7] = -100
+        scale = torch.ones((), device="cuda") / 257
+        total = torch.zeros((), device="cuda")
+        ref = _loss_and_grad(logits, y, scale, total)
+        assert ce_kernel.available(logits)
+        losses = ce_kernel.loss_and_grad_(logits, y, scale, -100)
+        torch.testing.assert_close(losses.sum(), total, rtol=1e-5, atol=0)
+        assert bool((losses[::7] == 0).all()) and not bool(logits[::7].any())
+        torch.testing.assert_close(logits, ref, rtol=1.6e-2, atol=1e-9)
+
+
+@pytest.mark.gpu
+def test_gradients_with_the_loss_on_the_gpu_at_a_real_vocabulary(monkeypatch):
+    """On CUDA at Llama-3's vocabulary, against the checkpointed chunks: the loss to float32 rounding, the gradients
+    to bf16's, and the memory above the inputs peaking lower (one chunk's bf16 logits against up to three chunk-sized
+    float32 tensors). Without the kernel (the aten path) the loss and the hidden states' gradient are bit-equal."""
+    from offload_trainer.engine import ce_kernel
     from offload_trainer.engine.loss import _checkpointed_sum
     torch.manual_seed(0)
     vocab, d, tokens, chunk = 128256, 256, 4096, 1024
@@ -110,18 +132,21 @@ def test_gradients_with_the_loss_on_the_gpu_at_a_real_vocabulary():
     labels = torch.randint(0, vocab, (1, tokens), device="cuda")
     targets = F.pad(labels, (0, 1), value=-100)[..., 1:].reshape(-1)
     peaks, out = [], []
-    for fused in (False, True):
+    for how in ("checkpointed", "kernel", "aten"):
+        monkeypatch.setattr(ce_kernel, "available", lambda t, ok=ce_kernel.available, how=how: how != "aten" and ok(t))
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        if fused:
-            loss = chunked_causal_lm_loss(h, labels, w, None, chunk_size=chunk)
-        else:
+        if how == "checkpointed":
             loss = _checkpointed_sum(h.reshape(-1, d), w, None, targets, chunk, True) / (targets != -100).sum()
+        else:
+            loss = chunked_causal_lm_loss(h, labels, w, None, chunk_size=chunk)
         out.append((loss, *torch.autograd.grad(loss, (h, w))))
         peaks.append(torch.cuda.max_memory_allocated() - base)
-    (ref, gh_ref, gw_ref), (ours, gh, gw) = out
-    assert torch.equal(ours, ref)
-    assert torch.equal(gh, gh_ref)
-    torch.testing.assert_close(gw, gw_ref, atol=2e-3, rtol=1.6e-2)
-    assert peaks[1] <= peaks[0], peaks
+    (ref, gh_ref, gw_ref), kernel, aten = out
+    torch.testing.assert_close(kernel[0], ref, rtol=1e-5, atol=0)
+    for ours in kernel, aten:
+        for g, g_ref in zip(ours[1:], (gh_ref, gw_ref)):
+            torch.testing.assert_close(g, g_ref, atol=2e-3, rtol=1.6e-2)
+    assert torch.equal(aten[0], ref) and torch.equal(aten[1], gh_ref)
+    assert peaks[1] < peaks[0] / 2, peaks

@@ -1,13 +1,14 @@
 """Chunked LM-head + cross-entropy: the full (tokens x vocab) logits tensor is never materialised.
 
-Training (gradients wanted): the chunks' gradients are computed in the forward pass, chunk by chunk, and handed to
-autograd by the backward -- one chunk's fp32 logits exist at a time and nothing is recomputed (a checkpointed chunk
-would run its head matmul, cast and softmax twice: 8B at 4 x 2048 with a 128k vocabulary, ~19 ms of a 1.05 s step).
-The head's weight gradient is accumulated in its own dtype (one rounding per chunk; autograd's sum of per-chunk
+Training (gradients wanted): each chunk's gradients are computed in the forward pass with its loss and handed to
+autograd by the backward, so nothing is recomputed (a checkpointed chunk runs its head matmul, cast and softmax
+twice: 8B at 4 x 2048 with a 128k vocabulary, ~19 ms of a 1.05 s step). On CUDA one Triton kernel (`ce_kernel`)
+turns a chunk's bf16 logits into their gradient in place: the chunk's logits are the only chunk-sized tensor. The
+head's weight gradient is accumulated in its own dtype (one rounding per chunk; autograd's sum of per-chunk
 gradients rounds twice) and lives from the loss to the start of backward, which is when autograd would build it.
 Where the head's weight, the hidden states and autocast's dtype differ, each chunk runs under activation
 checkpointing instead (recomputed in backward). Without gradients: the loss only.
-At 4 x 2048 tokens and a 128k vocabulary, full fp32 logits are 3.9 GiB; 1024-token chunks are 0.5 GiB.
+At 4 x 2048 tokens and a 128k vocabulary, full fp32 logits are 3.9 GiB; 1024-token chunks of bf16 logits 0.25 GiB.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..settings import LOSS_CHUNK
+from . import ce_kernel
 
 IGNORE_INDEX = -100
 _SUM = 2  # (aten's reduction enum: none, mean, sum)
@@ -28,8 +30,9 @@ def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 class _LossAndGrads(torch.autograd.Function):
     """The chunks' summed cross-entropy over `denom`, with its gradients for a unit gradient of that mean computed
-    in forward by the aten kernels autograd runs for `_chunk_loss_sum` (each chunk's sum gets 1 / denom, as
-    DivBackward passes it), scaled by the incoming gradient in backward (exact for the usual 1)."""
+    in forward (each chunk's sum gets 1 / denom, as DivBackward passes it) -- on CUDA by `ce_kernel`, over the
+    logits in place, elsewhere by the aten kernels autograd runs for `_chunk_loss_sum` -- and scaled by the incoming
+    gradient in backward (exact for the usual 1)."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, targets, denom, chunk_size):
@@ -42,19 +45,18 @@ class _LossAndGrads(torch.autograd.Function):
         scale = torch.ones((), dtype=torch.float32, device=h.device) / denom
         for start in range(0, h.shape[0], chunk_size):
             part, y = h[start:start + chunk_size], targets[start:start + chunk_size]
-            logp = torch.log_softmax(F.linear(part, weight, bias).float(), -1)
-            loss, count = torch.ops.aten.nll_loss_forward(logp, y, None, _SUM, IGNORE_INDEX)
-            total += loss
-            d_logp = torch.ops.aten.nll_loss_backward(scale, logp, y, None, _SUM, IGNORE_INDEX, count)
-            d_logits = torch.ops.aten._log_softmax_backward_data(d_logp, logp, -1, torch.float32)
-            del logp, d_logp  # (before the cast: one chunk's fp32 tensors at a time, at most three)
-            d_logits = d_logits.to(h.dtype)
+            d_logits = F.linear(part, weight, bias)  # (the logits, then their gradient)
+            if ce_kernel.available(d_logits):
+                total += ce_kernel.loss_and_grad_(d_logits, y, scale, IGNORE_INDEX).sum()
+            else:
+                d_logits = _loss_and_grad(d_logits, y, scale, total)
             if need_h:
                 torch.mm(d_logits, weight, out=grad_h[start:start + chunk_size])
             if need_w:
                 grad_w.addmm_(d_logits.t(), part)
             if need_b:
                 grad_b += d_logits.sum(0)
+            del d_logits  # (before the next chunk's logits)
         ctx.grads = (grad_h, grad_w, grad_b)  # (not saved tensors: they are outputs of this pass, not its inputs)
         return total / denom
 
@@ -62,6 +64,18 @@ class _LossAndGrads(torch.autograd.Function):
     def backward(ctx, grad_total):
         grads, ctx.grads = ctx.grads, None
         return (*(None if g is None else g.mul_(grad_total) for g in grads), None, None, None)
+
+
+def _loss_and_grad(logits: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """One chunk's loss added to `total` and its gradient (for `scale` times the sum) in the logits' dtype, by the
+    aten kernels autograd runs for `_chunk_loss_sum` (where the Triton kernel does not run)."""
+    logp = torch.log_softmax(logits.float(), -1)
+    loss, count = torch.ops.aten.nll_loss_forward(logp, y, None, _SUM, IGNORE_INDEX)
+    total += loss
+    d_logp = torch.ops.aten.nll_loss_backward(scale, logp, y, None, _SUM, IGNORE_INDEX, count)
+    d_logits = torch.ops.aten._log_softmax_backward_data(d_logp, logp, -1, torch.float32)
+    del logp, d_logp  # (before the cast: one chunk's float32 tensors at a time, at most three)
+    return d_logits.to(logits.dtype)
 
 
 def _fused(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
