@@ -307,3 +307,20 @@ def test_every_bench_path_named_exists_and_every_script_is_in_bench_readme():
     scripts = {p.removeprefix("bench/") for p in tracked if p.startswith("bench/") and p.endswith((".py", ".sh"))}
     listed = (BENCH / "README.md").read_text()
     assert {s for s in scripts if f"`{s}`" not in listed} == set()
+
+
+def test_by_launcher_names_the_autograd_node_that_recomputed_a_forward_op():
+    """Kernel time by what launched it: a matmul launched in forward under aten::linear, the same matmul launched
+    again inside a loss node's backward (a recompute), and a softmax kernel there; per step over two steps."""
+    names = ["gemm", "softmax_bwd", "cudaLaunchKernel", "aten::linear", "aten::mm",
+             "autograd::engine::evaluate_function: NllLossBackward0"]
+    kinds = ["kernel", "cuda_runtime", "cpu_op"]
+    ev = [[0, 0, 7, 100.0, 4000.0, 1], [0, 0, 7, 5000.0, 4000.0, 2], [1, 0, 7, 9500.0, 1000.0, 3],  # compute stream
+          [2, 1, 1, 10.0, 5.0, 1], [2, 1, 1, 60.0, 5.0, 2], [2, 1, 1, 80.0, 5.0, 3],  # launches on thread 1
+          [3, 2, 1, 0.0, 20.0, 0], [4, 2, 1, 5.0, 12.0, 0],  # forward: aten::linear > aten::mm
+          [5, 2, 1, 50.0, 40.0, 0], [3, 2, 1, 55.0, 15.0, 0], [4, 2, 1, 57.0, 10.0, 0]]  # backward node > linear > mm
+    rows = trace_gaps.launched_by({"names": names, "kinds": kinds, "events": ev}, steps=2, top=5)
+    assert rows == [
+        {"launched_by": "backward: NllLossBackward0", "kernel": "gemm", "count": 0.5, "ms": 2.0},
+        {"launched_by": "forward: aten::linear", "kernel": "gemm", "count": 0.5, "ms": 2.0},
+        {"launched_by": "backward: NllLossBackward0", "kernel": "softmax_bwd", "count": 0.5, "ms": 0.5}]

@@ -7,6 +7,8 @@ for other streams, and what the CPU was doing meanwhile.
     python bench/analysis/trace_gaps.py TRACE.json.gz --inside OP --steps N     # what ran inside OP's spans
     python bench/analysis/trace_gaps.py TRACE.json.gz --around K [--before-ms 30]  # every stream's work before
                                                                                  # and during the K-th largest gap
+    python bench/analysis/trace_gaps.py TRACE.json.gz --by-launcher --steps N    # kernel time per step by the
+                                                                                 # autograd node / op that launched it
 
 TRACE is written by `step_bench.py --trace` (one profiled step). For every idle gap of the compute stream (the
 stream that launches the most kernels), the kernel that ends it was launched by the CPU at some moment: the part
@@ -291,6 +293,54 @@ def inside(trace: dict, name: str, steps: int, top: int) -> dict:
                                 for k in lines]}
 
 
+def launched_by(trace: dict, steps: int, top: int) -> list[dict]:
+    """The compute stream's kernel time by what launched each kernel, per step: in backward, the autograd node
+    (`backward: NllLossBackward0`; a forward op under it is a recompute); elsewhere, the outermost aten op on the
+    launching thread (`forward: aten::linear`). A node's lines are split by kernel name, largest first."""
+    streams, compute = gpu_streams(trace)
+    launches = {ev["corr"]: (rid, ev["s"]) for rid, ev in _events(trace, RUNTIME_KINDS)}
+    forests = {}
+    ops: dict[int, list[dict]] = defaultdict(list)
+    for rid, ev in _events(trace, ("cpu_op",)):
+        ops[rid].append(ev | {"kids": []})
+    for rid, evs in ops.items():
+        forests[rid] = nest(evs)
+
+    starts: dict[int, list[float]] = {}  # (each sibling list's start times, once)
+
+    def path(nodes: list[dict], t: float) -> list[str]:
+        out = []
+        while nodes:
+            if id(nodes) not in starts:
+                starts[id(nodes)] = [n["s"] for n in nodes]
+            i = bisect.bisect_right(starts[id(nodes)], t) - 1
+            if i < 0 or nodes[i]["e"] < t:
+                break
+            out.append(nodes[i]["name"])
+            nodes = nodes[i]["kids"]
+        return out
+
+    by: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
+    for ev in streams[compute]:
+        rid, t = launches.get(ev["corr"], (None, None))
+        names = path(forests.get(rid, []), t) if rid is not None else []
+        node = next((n for n in names if n.startswith(AUTOGRAD_NODE)), None)
+        if node is not None:
+            key = "backward: " + node[len(AUTOGRAD_NODE):]
+        else:
+            key = "forward: " + next((n for n in names if n.startswith("aten::")), names[-1] if names else "?")
+        line = by[(key, ev["name"][:80])]
+        line[0] += 1
+        line[1] += ev["e"] - ev["s"]
+    rows = [{"launched_by": k, "kernel": name, "count": round(n / steps, 1), "ms": round(us / steps / 1e3, 3)}
+            for (k, name), (n, us) in by.items()]
+    rows.sort(key=lambda r: (-r["ms"], r["launched_by"], r["kernel"]))
+    return rows[:top]
+
+
+AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace")
@@ -303,7 +353,13 @@ def main() -> None:
     ap.add_argument("--around", type=int, metavar="K", help="every stream's work before and during the K-th largest "
                                                             "gap of the compute stream (0: the largest)")
     ap.add_argument("--before-ms", type=float, default=30.0, help="with --around: how far before the gap to look")
+    ap.add_argument("--by-launcher", action="store_true", help="the compute stream's kernel time by the autograd node "
+                                                                "or forward op that launched it (per step)")
     a = ap.parse_args()
+    if a.by_launcher:
+        for r in launched_by(load(a.trace), a.steps, a.top):
+            print(f"{r['ms']:9.3f} ms  x{r['count']:<7g} {r['launched_by'][:60]:60s} {r['kernel']}")
+        return
     if a.around is not None:
         r = around(load(a.trace), a.around, a.before_ms)
         if a.json:
