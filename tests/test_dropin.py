@@ -480,3 +480,21 @@ def test_a_streaming_dataset_trains_with_max_steps(tmp_path):
         runs.append(train_logs(t))
     assert len(runs[0]) == len(runs[1]) == 3
     assert runs[1][0]["loss"] == pytest.approx(runs[0][0]["loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("warmup, schedule, said", [(10, "linear", True), (0.5, "linear", False),
+                                                     (6, "cosine", True), (10, "constant", False)])
+def test_a_warmup_the_run_never_finishes_is_said_once(tmp_path, caplog, warmup, schedule, said):
+    """The stock Trainer trains on silently with a learning rate that never reaches learning_rate; ours says so once
+    and trains the same (the learning rates logged are the stock Trainer's)."""
+    stock, ours = pair(tmp_path, max_steps=6, warmup_steps=warmup, lr_scheduler_type=schedule)
+    with caplog.at_level(logging.INFO, logger="offload_trainer"):
+        for t in (stock, ours):
+            t.train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warmup:")]
+    assert len(lines) == int(said)
+    if said:
+        assert lines[0].startswith(f"warmup: {warmup} steps, the run 6: the learning rate stays below learning_rate=")
+    rates = [h["learning_rate"] for h in train_logs(ours)]
+    assert rates == [h["learning_rate"] for h in train_logs(stock)]
+    assert (max(rates) < 3e-3) == said

@@ -1,6 +1,7 @@
 """Runs that end cleanly: SIGINT / SIGTERM / SIGHUP finish the step, save and stop; optimizer steps with a non-finite
 loss or gradient norm are skipped (the streamed optimizer drops their gradients), and too many in a row stop the run;
-after train() returns, either ends the run with the exception the command turns into a sentence and an exit code."""
+after train() returns, either ends the run with the exception the command turns into a sentence and an exit code.
+A learning-rate warmup the run never finishes is said once, where the Trainer trains on silently."""
 from __future__ import annotations
 
 import contextlib
@@ -13,6 +14,7 @@ from ..errors import GpuOutOfMemory, TrainingInterrupted, TrainingStopped, stop_
 from .run_state import RunState
 
 logger = logging.getLogger("offload_trainer")
+NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau")  # (transformers' schedules that ignore the warmup)
 
 
 @contextlib.contextmanager
@@ -48,6 +50,16 @@ def on_step_end(run: RunState, global_step: int, control) -> None:
     if run.interrupted is not None:
         control.should_training_stop = True
         control.should_save = run.settings.save_on_interrupt
+
+
+def warmup_past_the_run(args, max_steps: int) -> None:
+    """Warn when the warmup lasts as long as the run or longer: the learning rate never reaches `learning_rate`."""
+    warmup = args.get_warmup_steps(max_steps)
+    schedule = getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)
+    if max_steps > 0 and warmup >= max_steps and schedule not in NO_WARMUP_SCHEDULES:
+        logger.warning("warmup: %d steps, the run %d: the learning rate stays below learning_rate=%g throughout. "
+                       "Set warmup_steps (or warmup_ratio) lower if that is not meant", warmup, max_steps,
+                       args.learning_rate)
 
 
 def nonfinite_step(run: RunState) -> None:

@@ -152,6 +152,8 @@ class OffloadMixin:
         run = self._run
         if run.fit is not None:
             run.fit.start_step()
+        if run.first_time("warmup"):
+            guards.warmup_past_the_run(self.args, self.state.max_steps)
         if run.optimizer is not None and run.optimizer.device.type == "cuda" and run.first_time("first step"):
             logger.info("first step: also compiles the update kernels and makes the pinned buffers (once: tens of "
                         "seconds for a large model; later steps are timed in the logs)")
