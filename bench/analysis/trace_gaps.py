@@ -293,18 +293,16 @@ def inside(trace: dict, name: str, steps: int, top: int) -> dict:
                                 for k in lines]}
 
 
+AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
+
+
 def launched_by(trace: dict, steps: int, top: int) -> list[dict]:
     """The compute stream's kernel time by what launched each kernel, per step: in backward, the autograd node
     (`backward: NllLossBackward0`; a forward op under it is a recompute); elsewhere, the outermost aten op on the
     launching thread (`forward: aten::linear`). A node's lines are split by kernel name, largest first."""
-    streams, compute = gpu_streams(trace)
-    launches = {ev["corr"]: (rid, ev["s"]) for rid, ev in _events(trace, RUNTIME_KINDS)}
-    forests = {}
-    ops: dict[int, list[dict]] = defaultdict(list)
-    for rid, ev in _events(trace, ("cpu_op",)):
-        ops[rid].append(ev | {"kids": []})
-    for rid, evs in ops.items():
-        forests[rid] = nest(evs)
+    found = compute_gaps(trace)  # (its runtime calls by thread and CPU ops by thread, as the budget reads them)
+    launches = {ev["corr"]: (ev["tid"], ev["s"]) for ev in found["runtime"]}
+    forests = {tid: nest(ops) for tid, ops in found["cpu_ops"].items()}
 
     starts: dict[int, list[float]] = {}  # (each sibling list's start times, once)
 
@@ -321,7 +319,7 @@ def launched_by(trace: dict, steps: int, top: int) -> list[dict]:
         return out
 
     by: dict[tuple, list] = defaultdict(lambda: [0, 0.0])
-    for ev in streams[compute]:
+    for ev in found["streams"][found["compute"]]:
         rid, t = launches.get(ev["corr"], (None, None))
         names = path(forests.get(rid, []), t) if rid is not None else []
         node = next((n for n in names if n.startswith(AUTOGRAD_NODE)), None)
@@ -336,9 +334,6 @@ def launched_by(trace: dict, steps: int, top: int) -> list[dict]:
             for (k, name), (n, us) in by.items()]
     rows.sort(key=lambda r: (-r["ms"], r["launched_by"], r["kernel"]))
     return rows[:top]
-
-
-AUTOGRAD_NODE = "autograd::engine::evaluate_function: "
 
 
 def main() -> None:
