@@ -9,10 +9,12 @@ What a rollback needs, and where it is kept (per streamed value, bf16 weights):
   commit makes it current. Nothing is copied: +2.03 bytes of host memory, no PCIe.
 - the weights before the update: a backup in the spare pinned buffer (the one exact clipping keeps gradients in),
   copied device -> host once the previous update of the tensor is done: +2 bytes of host memory, +2 bytes of D2H per
-  step. Resident tensors are backed up during the step's forward, in the order its backward updates them, a share
-  at each layer the forward reaches (`pace`): queued all at once, 16 GB of copies (8B) held the copy engine for
-  0.3 s, and a one-value read of the model's own forward (a mask check's `.item()`) waited behind them with the
-  GPU idle. A swapped layer is backed up just before its update, while it is on the GPU for backward.
+  step. Resident tensors are backed up in the order backward updates them: `FORWARD_SHARE` of their bytes during the
+  step's forward, a share at each layer it reaches (`pace`), the rest as backward goes, `AHEAD_BYTES` ahead of the
+  update being queued (`before_update`). Queued all at once, 16 GB of copies (8B) held the copy engine for 0.3 s,
+  and a one-value read of the model's own forward (a mask check's `.item()`) waited behind them with the GPU idle;
+  all during the forward, they fill its D2H time, which offloaded activations need too. A swapped layer is backed
+  up just before its update, while it is on the GPU for backward.
 So 8B takes 6.1 bytes/param of pinned host memory (45 GiB) against exact clipping's 4.0.
 The redo runs the step's forward and backward again (the caller's `redo`, with the global RNG as it was at the
 step's first forward) and each update applies the clip coefficient: its gradients equal the first pass's, so the
@@ -37,6 +39,11 @@ import torch
 from torch import Tensor
 
 logger = logging.getLogger("offload_trainer")
+
+# The share of the backups' bytes queued during the forward; the rest is queued in backward, this many bytes ahead of
+# the update being queued (about one 8B decoder layer's weights: the copy has that update's queueing to land in).
+FORWARD_SHARE = 0.5
+AHEAD_BYTES = 2**29
 
 
 @dataclass
@@ -81,6 +88,7 @@ class Speculation:
         self.counts = {"steps": 0, "clipped": 0, "redone": 0, "exact": 0, "nonfinite": 0}
         self.exact_this_step = False  # accumulation with gradients on the host: the spare buffer is theirs
         self.pending: collections.deque = collections.deque()  # backups still to queue this step, in update order
+        self.through: dict[Tensor, int] = {}
         self.pending_bytes = self.queued_bytes = 0
 
     @property
@@ -104,15 +112,22 @@ class Speculation:
 
     def plan_backups(self, params: list[Tensor]) -> None:
         """At a step's first forward: these tensors' backups (resident, in the order backward updates them) are
-        queued as the forward goes (`pace`); earlier backups are stale."""
+        queued as the forward goes (`pace`), then ahead of their updates (`before_update`); earlier backups are
+        stale."""
         self.backed.clear()
         self.pending = collections.deque(params)
-        self.pending_bytes = sum(p.numel() * p.element_size() for p in params)
-        self.queued_bytes = 0
+        self.through = {}  # param -> the backups' bytes through it, in update order
+        total = 0
+        for p in params:
+            total += p.numel() * p.element_size()
+            self.through[p] = total
+        self.pending_bytes, self.queued_bytes = total, 0
 
     def pace(self, fraction: float) -> None:
-        """The forward has reached `fraction` of the model: queue backups up to that share of their bytes."""
-        target = self.pending_bytes * min(1.0, fraction)
+        """The forward has reached `fraction` of the model: queue backups up to that part of their forward share."""
+        self._queue_through(self.pending_bytes * FORWARD_SHARE * min(1.0, fraction))
+
+    def _queue_through(self, target: float) -> None:
         while self.pending and self.queued_bytes < target:
             p = self.pending.popleft()
             self.queued_bytes += p.numel() * p.element_size()
@@ -120,9 +135,9 @@ class Speculation:
                 self.backup(p)
 
     def before_update(self, p: Tensor, update_stream) -> None:
-        """`p` is about to be updated speculatively: its backup must have landed (queued now if it was not), and the
-        next one waits for this update (`updated`). Backward has begun: the backups still pending are queued now."""
-        self.pace(1.0)
+        """`p` is about to be updated speculatively: its backup must have landed (queued now if it was not, with the
+        next `AHEAD_BYTES` of backups), and the next one waits for this update (`updated`)."""
+        self._queue_through(self.through.get(p, self.queued_bytes) + AHEAD_BYTES)
         ev = self.backed.get(p)
         if ev is None:  # (after the compute stream as it is now: a swapped layer's slot is loaded, its backward read)
             ev = self.backup(p, after=self.S.record(self.S.compute()))
