@@ -77,6 +77,18 @@ def test_the_head_runs_once_per_chunk_in_training():
     assert Count.n == 7  # ceil(3 * 37 / 16) chunks
 
 
+def test_a_second_backward_through_the_loss_names_the_setting_that_allows_it():
+    """The gradients are computed once, with the loss: a second backward (retain_graph=True) cannot be answered
+    again, and says which setting (the model's own loss) can."""
+    h, w, labels = _bf16_case()
+    loss = chunked_causal_lm_loss(h, labels, w, None, chunk_size=16)
+    loss.backward(retain_graph=True)
+    first = h.grad.clone()
+    with pytest.raises(RuntimeError, match="loss_chunk_size: 0"):
+        loss.backward()
+    assert torch.equal(h.grad, first)  # the first backward's gradients stay as they were
+
+
 def test_frozen_head_and_mixed_dtypes_match_full_logits():
     """A head that takes no gradient (LoRA) gets none; a float32 head under bf16 autocast takes the checkpointed
     path (autocast casts inside it), and both match the full logits."""
@@ -109,8 +121,7 @@ def test_the_cross_entropy_kernel_matches_the_aten_kernels():
         y = torch.randint(0, vocab, (300,), device="cuda")
         y[::7] = -100
         scale = torch.ones((), device="cuda") / 257
-        total = torch.zeros((), device="cuda")
-        ref = _loss_and_grad(logits, y, scale, total)
+        total, ref = _loss_and_grad(logits, y, scale)
         assert ce_kernel.available(logits)
         losses = ce_kernel.loss_and_grad_(logits, y, scale, -100)
         torch.testing.assert_close(losses.sum(), total, rtol=1e-5, atol=0)

@@ -47,9 +47,10 @@ class _LossAndGrads(torch.autograd.Function):
             part, y = h[start:start + chunk_size], targets[start:start + chunk_size]
             d_logits = F.linear(part, weight, bias)  # (the logits, then their gradient)
             if ce_kernel.available(d_logits):
-                total += ce_kernel.loss_and_grad_(d_logits, y, scale, IGNORE_INDEX).sum()
+                loss = ce_kernel.loss_and_grad_(d_logits, y, scale, IGNORE_INDEX).sum()
             else:
-                d_logits = _loss_and_grad(d_logits, y, scale, total)
+                loss, d_logits = _loss_and_grad(d_logits, y, scale)
+            total += loss
             if need_h:
                 torch.mm(d_logits, weight, out=grad_h[start:start + chunk_size])
             if need_w:
@@ -63,19 +64,22 @@ class _LossAndGrads(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         grads, ctx.grads = ctx.grads, None
+        if grads is None:  # (handed over by an earlier backward through the same loss)
+            raise RuntimeError("a second backward through the chunked loss (retain_graph=True): its gradients were "
+                               "computed once, with the loss, and the first backward took them. Set "
+                               "loss_chunk_size: 0 (the model's own loss) to backward through it more than once.")
         return (*(None if g is None else g.mul_(grad_total) for g in grads), None, None, None)
 
 
-def _loss_and_grad(logits: torch.Tensor, y: torch.Tensor, scale: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-    """One chunk's loss added to `total` and its gradient (for `scale` times the sum) in the logits' dtype, by the
-    aten kernels autograd runs for `_chunk_loss_sum` (where the Triton kernel does not run)."""
+def _loss_and_grad(logits: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's summed loss and its gradient (for `scale` times the sum) in the logits' dtype, by the aten kernels
+    autograd runs for `_chunk_loss_sum` (where the Triton kernel does not run)."""
     logp = torch.log_softmax(logits.float(), -1)
     loss, count = torch.ops.aten.nll_loss_forward(logp, y, None, _SUM, IGNORE_INDEX)
-    total += loss
     d_logp = torch.ops.aten.nll_loss_backward(scale, logp, y, None, _SUM, IGNORE_INDEX, count)
     d_logits = torch.ops.aten._log_softmax_backward_data(d_logp, logp, -1, torch.float32)
     del logp, d_logp  # (before the cast: one chunk's float32 tensors at a time, at most three)
-    return d_logits.to(logits.dtype)
+    return loss, d_logits.to(logits.dtype)
 
 
 def _fused(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
