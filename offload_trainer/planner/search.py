@@ -95,14 +95,20 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                 lora_params or switches["activation_offload"] or switches["resident"] < shape.layers):
             tried[-1] = p = _with_device_states(p, functools.partial(est, batch=batch, seq=seq, **switches), shape, n,
                                                 gpu_usable, gpu_memory_limit_gb)
-            if not p.device_states_scope and activation_offload is None and not clip:
-                with_acts = functools.partial(est, batch=batch, seq=seq, **dict(switches, activation_offload=True))
+            with_acts = None if p.device_states_scope or activation_offload is not None else functools.partial(
+                est, batch=batch, seq=seq, **dict(switches, activation_offload=True))
+            if with_acts is not None and not clip:
                 tried[-1] = p = _embedding_for_activations(p, with_acts, shape, gpu_usable, host_usable)
+        else:
+            with_acts = None
         if p.fits:
             if clip and not lora_params:
                 p = _with_speculation(p, functools.partial(est, batch=batch, seq=seq, **switches,
                                                            device_states=p.device_state_gib * GiB),
                                       host_usable, host_memory_gb, speculative)
+                if with_acts is not None and p.speculative_clipping:
+                    p = _embedding_for_activations(p, functools.partial(with_acts, speculative=True), shape,
+                                                   gpu_usable, host_usable)
             p.notes += _notes(p, e, shape, weight_bytes)
             return p
     advice = _advice(tried, est, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb, machine,
@@ -177,10 +183,10 @@ def _embedding_for_activations(p: Plan, est, shape: ModelShape, gpu_usable: floa
     to pinned memory instead (`est` has activation offload on) make the room, taken when the step that saves (its
     states' copies after backward, `estimate._first_unit_kept`) is predicted faster than the one it has. Only the
     embedding's: a tight plan gets no more (8B at 4 x 2048 on a 24 GiB card: 1.0 GiB of states for 2.0 GiB of
-    activations moved off the GPU; +1.3-1.5% tok/s measured without clipping, s50b, s66a, s66b, s66c). Only without
-    clipping: with speculative clipping the copy engines already carry the weights' backups, and the activations'
-    copies beside them made the step 4.3% slower (s66c), which the step model does not see; exact clipping's was not
-    measured."""
+    activations moved off the GPU; +1.3-1.5% tok/s measured without clipping, s50b, s66a, s66b, s66c). Also with
+    speculative clipping (`p` its plan), whose weights' backups cross PCIe beside the activations': +0.8% (s68a),
+    once the backups were paced over forward and backward (all in the forward, they made the step 3.8% slower, s66c,
+    s68a). Not with exact clipping, not measured."""
     want = _embedding_state_bytes(shape)
     e = est(device_states=want)
     if e["reserved"] > gpu_usable - DEVICE_STATE_MARGIN_GIB * GiB or e["host"] > host_usable or e["step"] >= p.step_s:

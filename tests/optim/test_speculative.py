@@ -178,6 +178,32 @@ def test_clipping_without_a_redo_is_refused_when_updates_ran():
         StreamedAdamW8bit(TinyLM().parameters(), speculative=True, update_in_backward=True)
 
 
+def test_backups_are_queued_over_the_forward_then_just_ahead_of_their_updates(monkeypatch):
+    """`FORWARD_SHARE` of the backups' bytes as the forward goes, the rest `AHEAD_BYTES` ahead of the update being
+    queued: each backup is queued before its update, and none in backward before its turn."""
+    from offload_trainer.engine import streams
+    from offload_trainer.engine.optim import speculation
+
+    monkeypatch.setattr(speculation, "FORWARD_SHARE", 0.5)
+    monkeypatch.setattr(speculation, "AHEAD_BYTES", 8000)
+    params = [torch.full((1000,), float(i)) for i in range(8)]  # 4000 bytes each, in update order
+    spare = {p: torch.empty_like(p) for p in params}
+    S = streams.Streams(torch.device("cpu"))
+    spec = Speculation(type("States", (), {"spare": lambda self, p: spare[p]})(), S, {"d2h_bytes": 0}, S.device)
+    spec.plan_backups(params)
+    backed = lambda: [i for i, p in enumerate(params) if p in spec.backed]  # noqa: E731
+    spec.pace(0.5)
+    assert backed() == [0, 1]  # a quarter of 32000 bytes
+    spec.pace(1.0)
+    assert backed() == [0, 1, 2, 3]  # the forward's half
+    spec.before_update(params[0], S.update)
+    assert backed() == [0, 1, 2, 3]  # already ahead by 8000 bytes
+    spec.before_update(params[4], S.update)
+    assert backed() == [0, 1, 2, 3, 4, 5, 6]  # its own, then two more
+    spec.before_update(params[7], S.update)
+    assert backed() == list(range(8)) and all(torch.equal(spare[p], p) for p in params)
+
+
 def test_host_memory_of_speculation():
     """Two banks of 8-bit states and the spare buffer (gradients or backups): 2 x 2.03 + 2 bytes per streamed value
     in bf16, where exact clipping with offloaded gradients takes 2.03 + 2."""
