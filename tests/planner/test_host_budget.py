@@ -30,8 +30,8 @@ def tiny_machine(monkeypatch):
 
 def test_8b_planned_for_32_64_and_128_gb_machines_from_this_one(capsys, tiny_machine):
     """8B 4 x 2048 with clipping: speculative on 64 and 128 GB (47.9 GiB: two banks of 8-bit states and the weights'
-    backups, the embedding's states on the GPU, its layer inputs pinned); on 32 GB exact clipping needs 33.7 GiB, so it is refused, naming max_grad_norm: 0 (17.8 GiB) and the
-    machine exact clipping needs."""
+    backups, the embedding's states on the GPU, its layer inputs pinned); on 32 GB exact clipping needs 33.7 GiB, so
+    it is refused, naming max_grad_norm: 0 (17.8 GiB) and the machine exact clipping needs."""
     for gb in (64, 128):
         p = plan_json(capsys, "llama3-8b-full-24gb", f"host_memory_limit_gb={AVAILABLE[gb]}")
         assert p["speculative_clipping"] and p["host_peak_gib"] == pytest.approx(47.9, abs=0.05)
