@@ -204,9 +204,10 @@ class OffloadFields:
                           "last (their copies could not overlap anything). 'auto': the input embedding's when the "
                           "plan for gpu_memory_limit_gb (or the GPU's own memory) leaves room, then the next "
                           "tensors' while max(1 GiB, 5%) of the budget stays free (a 3B model on 24 GiB keeps them "
-                          "all); without clipping and with activation_offload unset, where there is no room, the "
-                          "layer inputs are offloaded to make it when that is predicted faster (8B on 24 GiB); a "
-                          "number: that many GiB (the model's first tensors that fit); 0: every state streamed."},
+                          "all); without clipping or with speculative clipping, and activation_offload unset, where "
+                          "there is no room, the layer inputs are offloaded to make it when that is predicted faster "
+                          "(8B on 24 GiB); a number: that many GiB (the model's first tensors that fit); 0: every "
+                          "state streamed."},
     )
     master_weights: str = field(
         default=S.MASTER_WEIGHTS[0],
