@@ -278,10 +278,14 @@ def _with_copies(x, step: float) -> float:
         # Gradient sums in pinned memory: a micro-batch's sums cross PCIe (both ways at once) during its backward,
         # not its forward, so each micro-batch takes its forward plus the longer of its backward and its copies;
         # the last also streams the states (measured 8B, 4 x (1 x 2048) at 24 GiB: 2.08 s, 2.42 s with clipping)
+        # With speculative clipping the last one's backward also backs the weights up (D2H), once each sum is read.
         t_f, t_b = t_micro / 4, t_micro * 3 / 4
         g, st = x.host_grads / (m.h2d_gb_s * 1e9), x.states / (m.h2d_gb_s * 1e9)
         step = (x.accum - 1) * (t_f + max(t_b, g)) + x.t_cpu
-        step += t_f + max(t_b, g) + max(0.0, st + g - t_f) if x.clip else t_f + max(t_b + x.t_beside, g + st)
+        if x.clip and not x.spec:
+            step += t_f + max(t_b, g) + max(0.0, st + g - t_f)
+        else:
+            step += t_f + max(t_b + x.t_beside, g + st, (st + x.backups) / (m.d2h_gb_s * 1e9))
     if x.act:
         step += x.accum * max(0.0, x.host_acts / (m.d2h_gb_s * 1e9) - t_micro / 4)  # copies beyond overlap
     copies_s = max(x.h2d / (m.h2d_gb_s * 1e9), x.d2h / (m.d2h_gb_s * 1e9))  # the busier direction

@@ -533,7 +533,6 @@ def test_speculative_clipping_over_several_ranks_only_when_asked():
 
 @pytest.mark.parametrize("kw,why", [
     (dict(ranks=2), "data parallel"),
-    (dict(batch=1, accum=4, offload_gradients=True), "gradient sums between micro-batches"),
     (dict(cfg="llama3.2-3b"), "as fast as speculative clipping"),  # its gradients and most states on the GPU
 ])
 def test_exact_clipping_where_speculation_cannot_help(kw, why):

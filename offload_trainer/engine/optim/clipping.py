@@ -135,6 +135,8 @@ class GlobalNormClipping:
                     self._spec.restore(p, S.update)
                 self.state[p]["step"] -= 1
             self._publish(p)  # (data parallel: the owner's restored weights to every rank)
+        # The redo's earlier micro-batches write their gradient sums into the spare buffer the restores read from
+        S.d2h.wait_stream(S.update)
         for p in self._params:
             p.grad = None
         plan = self._plan
@@ -174,19 +176,20 @@ class GlobalNormClipping:
         for p in self._plan.updated:
             if p in self._states.offset and self._owns(p):
                 self._states.commit(p)
-        self._spec.exact_this_step = False
+        self._spec.exact_this_step = self._spec.sums_in_spare = False
 
     def _start_speculative_step(self) -> None:
         """A step's first forward: the global RNG its redo would replay, and which resident tensors' weights are
         backed up as this forward goes (last layer first, as backward updates them). Where some of the last step's
         updates of streamed tensors are still to be queued (it clipped exactly), each backup is taken just before
-        its update instead, which then comes after them."""
+        its update instead, which then comes after them -- as where gradient sums wait in the spare buffer the backups
+        go to (accumulation)."""
         spec = self._spec
         if not spec.speculating:  # (nothing left to back up from an earlier speculative step)
             spec.plan_backups([])
             return
         spec.snapshot_rng()
-        if any(u.p in self._states.offset for u in self._schedule.deferred):
+        if spec.sums_in_spare or any(u.p in self._states.offset for u in self._schedule.deferred):
             spec.plan_backups([])
             return
         spec.plan_backups([p for p in reversed(self._schedule.norm_order)

@@ -15,7 +15,10 @@ What a rollback needs, and where it is kept (per streamed value, bf16 weights):
   and a one-value read of the model's own forward (a mask check's `.item()`) waited behind them with the GPU idle;
   all during the forward, they fill its D2H time, which offloaded activations need too. A swapped layer is backed
   up just before its update, while it is on the GPU for backward.
-So 8B takes 6.1 bytes/param of pinned host memory (45 GiB) against exact clipping's 4.0.
+So 8B takes 6.1 bytes/param of pinned host memory (45 GiB) against exact clipping's 4.0. With gradient accumulation
+the spare buffer holds the gradient sums of the earlier micro-batches until the last one's backward reads each: then
+nothing is backed up during the forward, and each tensor's backup is queued once its sum has been read, just before
+its update (the same buffer, no more host memory).
 The redo runs the step's forward and backward again (the caller's `redo`, with the global RNG as it was at the
 step's first forward) and each update applies the clip coefficient: its gradients equal the first pass's, so the
 result is exact clipping's. Keeping the gradients instead would cost 2 bytes/param more host memory and D2H on
@@ -86,7 +89,10 @@ class Speculation:
         self.rng: tuple | None = None  # the global RNG at the step's first forward
         # cumulative: optimizer steps, steps whose clip fired, steps redone, steps run with exact clipping
         self.counts = {"steps": 0, "clipped": 0, "redone": 0, "exact": 0, "nonfinite": 0}
-        self.exact_this_step = False  # accumulation with gradients on the host: the spare buffer is theirs
+        self.exact_this_step = False  # data parallel accumulation with gradients on the host: they clip exactly
+        # accumulation with gradients on the host: the spare buffer holds their sums until each is read in the last
+        # micro-batch's backward, so no backup is queued ahead of its own update
+        self.sums_in_spare = False
         self.pending: collections.deque = collections.deque()  # backups still to queue this step, in update order
         self.through: dict[Tensor, int] = {}
         self.pending_bytes = self.queued_bytes = 0
@@ -140,6 +146,8 @@ class Speculation:
         self._queue_through(self.through.get(p, self.queued_bytes) + AHEAD_BYTES)
         ev = self.backed.get(p)
         if ev is None:  # (after the compute stream as it is now: a swapped layer's slot is loaded, its backward read)
+            if self.sums_in_spare:  # (and after the H2D stream: its slice held its gradient sum, read just before)
+                self.S.d2h.wait_event(self.S.record(self.S.h2d))
             ev = self.backup(p, after=self.S.record(self.S.compute()))
         update_stream.wait_event(ev)
         # From here the backup is of the weights before this update: valid for a rollback, stale after a commit.

@@ -222,9 +222,12 @@ class StreamedAdamW8bit(BackwardUpdates, GlobalNormClipping, StateDictIO, torch.
     def no_update(self):
         """Backward passes inside only accumulate gradients (all micro-batches but the last)."""
         if self._spec is not None and self.offload_gradients:
-            # the sums wait in the spare host buffer, where a speculative step keeps its backups: this step clips
-            # exactly
-            self._spec.exact_this_step = True
+            # the sums wait in the spare host buffer, where a speculative step keeps its backups: each backup is
+            # taken once its tensor's sum is read, just before its update (data parallel: this step clips exactly)
+            if self._shard is None:
+                self._spec.sums_in_spare = True
+            else:
+                self._spec.exact_this_step = True
         prev, self._accumulating = self._accumulating, True
         try:
             yield
