@@ -23,6 +23,7 @@ MAX_NONFINITE_STEPS = 5  # skipped non-finite steps in a row before the run stop
 MASTER_WEIGHTS = ("bf16_sr", "bf16")  # the first is the default
 DEVICE_STATES = "auto"
 LAYER_SWAP = "off"
+FOLD = "auto"  # gradient accumulation's micro-batches run as one where the planner finds that faster
 
 # One vocabulary for a switch's words, in a config, an override and the arguments (YAML 1.1 readers also turn a bare
 # on / off / yes / no into a boolean: each is read as that boolean)
@@ -57,6 +58,29 @@ def parse_layer_swap(value: Any) -> bool | int | None:
 def layer_swap_text(value: bool | int | None) -> str:
     """The argument's spelling of a parsed `layer_swap` ('off', 'auto' or the count)."""
     return "off" if value is False else "auto" if value is None else str(value)
+
+
+def parse_fold(value: Any) -> int | None:
+    """`fold_accumulation` as the planner takes it: None (auto: the planner chooses how many of a step's micro-batches
+    run as one), 1 (off: each runs as the Trainer hands it) or that many. `on` asks for auto, as with layer_swap."""
+    if value is None or value is True:
+        return None
+    if value is False:
+        return 1
+    text = str(value).strip().lower()
+    if text in OFF_WORDS:
+        return 1
+    if text in _AUTO:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"fold_accumulation={value!r}: use auto, off, or how many of an optimizer step's micro-batches "
+                         f"run as one (a divisor of gradient_accumulation_steps)")
+    return int(text)
+
+
+def fold_text(value: int | None) -> str:
+    """The argument's spelling of a parsed `fold_accumulation` ('auto', 'off' or the count)."""
+    return "auto" if value is None else "off" if value == 1 else str(value)
 
 
 def gradients_offloaded(offload: bool, *, asked: bool | None, clips: bool, accumulation: int,
@@ -126,6 +150,7 @@ class OffloadSettings:
     loss_chunk_size: int = LOSS_CHUNK
     layer_swap: bool | int | None = False  # False: off; None: auto; N: resident layers
     layer_swap_prefetch: int = LAYER_SWAP_PREFETCH
+    fold: int | None = None  # micro-batches run as one (None: the plan's choice, 1: none folded)
     save_on_interrupt: bool = True
     check_nonfinite: bool = True
     max_nonfinite_steps: int = 0  # 0: skip non-finite steps but never stop
@@ -161,6 +186,10 @@ class OffloadSettings:
                              f"for a 64 GB machine)")
         if isinstance(self.layer_swap, int) and not isinstance(self.layer_swap, bool) and self.layer_swap < 0:
             raise ValueError(f"layer_swap={self.layer_swap}: use off, auto, or a number of layers (0 or more)")
+        if self.fold is not None and (self.fold < 1 or self.accumulation % self.fold):
+            raise ValueError(f"fold_accumulation={self.fold}: each optimizer step's {self.accumulation} micro-batches "
+                             f"(gradient_accumulation_steps) must split into groups of that many; use a divisor of "
+                             f"{self.accumulation}, auto or off")
         if self.activation_offload and not self.checkpointing:
             raise ValueError("activation_offload offloads the inputs that gradient checkpointing keeps: "
                              "set activation_checkpointing: true as well")
@@ -217,6 +246,7 @@ class OffloadSettings:
             loss_chunk_size=get("loss_chunk_size", LOSS_CHUNK),
             layer_swap=parse_layer_swap(get("layer_swap", LAYER_SWAP)),
             layer_swap_prefetch=get("layer_swap_prefetch", LAYER_SWAP_PREFETCH),
+            fold=parse_fold(get("fold_accumulation", FOLD)),
             save_on_interrupt=get("save_on_interrupt", True),
             check_nonfinite=bool(limit) if own else True,
             max_nonfinite_steps=limit if own else 0,

@@ -250,6 +250,7 @@ def main() -> None:
             row["system"] = row["system"].replace("offload_trainer_cli", "offload_trainer_cli_speculative")
             row["extra"]["clip_counts"] = opt.clip_counts
         run = built[0]._run
+        row["extra"]["fold"] = run.fold.size if run.fold is not None else 1  # (the micro-batches run as one)
         if run.plan is not None:  # the Trainer's own plan (its host peak counts a save's shard)
             row["predicted"] = predicted(run.plan)
         if run.swap is not None:  # layer swap: the plan's resident layers, those the fit moved to, and the plan's

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The user's machine held for real: the card held to 24 GB and the host to LEAVE GiB available (57: a 64 GB machine),
 # configs run through `offload-trainer train`, against natives in the same device run.
-#   NATIVES="native llama3-8b 4 2048;native_8bit qwen2.5-14b 8 2048" \
+#   NATIVES="native llama3-8b 4 2048;native_8bit qwen2.5-14b 8 2048;native_clip llama3-8b 1 2048 4" \
 #     bash bench/runs/host_machine.sh OUT.jsonl 57 "configs/llama3-8b-full-24gb.yaml" "configs/x.yaml max_seq_length=65536" ...
-# Natives first (bench/rows/step_bench.py, the bare loop, on the uncapped card: "SYSTEM MODEL BATCH SEQ", ';' between),
+# Natives first (bench/rows/step_bench.py, the bare loop, on the uncapped card: "SYSTEM MODEL BATCH SEQ [ACCUM]", ';'
+# between),
 # then both holds and one row per spec (a config and its key=value overrides). Each row gets extra.host_available_min_gib
 # (the least MemAvailable while it ran, bench/runs/host_watch.py) and extra.host_hold_alive (the kernel's OOM killer picks
 # the largest process, which may be the hold: a row that passed the budget then looks fine, and this says it did not).
@@ -13,10 +14,11 @@ out=$1; leave=$2; shift 2
 export RUN_ID=${RUN_ID:-$(date +%Y%m%d-%H%M%S)} COMMIT=${COMMIT:-$(git describe --always --dirty --abbrev=7 --exclude="*" 2>/dev/null || echo unknown)}
 IFS=';' read -r -a natives <<< "${NATIVES:-}"
 for n in "${natives[@]}"; do
-  read -r sys model bs seq <<< "$n"
-  echo "=== $sys $model $bs x $seq ($(date +%T))"
+  read -r sys model bs seq acc <<< "$n"
+  echo "=== $sys $model $bs x $seq x ${acc:-1} ($(date +%T))"
   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "${ROW_TIMEOUT:-200}" python3 bench/rows/step_bench.py "$sys" \
-    "$model" --bs "$bs" --seq "$seq" --steps "${NATIVE_STEPS:-6}" --out "$out" || echo "row failed: $sys $model (rc $?)"
+    "$model" --bs "$bs" --seq "$seq" --accum "${acc:-1}" --steps "${NATIVE_STEPS:-6}" --out "$out" \
+    || echo "row failed: $sys $model (rc $?)"
 done
 . bench/runs/hold_card.sh && hold_card && hold_host "$leave"
 for spec in "$@"; do

@@ -77,7 +77,6 @@ def _train(config: str, overrides: list[str]) -> str:
     from ..trainer.args import streams_optimizer  # (transformers: loaded once the config is known good)
 
     model_args, data_args, training_args = parse_args(cfg)  # (every switch and conflict checked as they are built)
-    settings = OffloadSettings.of(training_args)
     check_data_and_steps(data_args, training_args)
     out = training_args.output_dir
     main_rank = int(os.environ.get("RANK", "0")) == 0
@@ -94,6 +93,7 @@ def _train(config: str, overrides: list[str]) -> str:
             return out
         model_config = model_config_of(model_args)  # (read once: a checkpoint's config.json may be remote)
         check_model_fits_data(model_args, data_args, model_config)
+        settings = run_settings(training_args, model_config)
         plan = None
         if (streams_optimizer(training_args, settings)[0] or model_args.lora_r) and (
                 settings.gpu_memory_limit_gb or training_args.device.type == "cuda"):
@@ -120,19 +120,29 @@ def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: floa
                  gpus: int | None = None) -> None:
     cfg = load_config(config, overrides)
     model_args, data_args, training_args = parse_args(cfg)
-    settings = OffloadSettings.of(training_args)
+    model_config = model_config_of(model_args)
+    settings = run_settings(training_args, model_config)
     if host_gb is not None:  # (--host-gb: the budget of the machine planned for, as the key is)
         settings = dataclasses.replace(settings, host_memory_limit_gb=host_gb)
     # no gpu_memory_limit_gb: on a machine with a GPU, plan for it, as the Trainer will; a host budget is planned for
     # on any machine (a 64 GB desktop's run planned from a laptop), else this machine's available memory
     p = make_plan(model_args, data_args, settings, gpus, gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib),
-                  host_gb=None if settings.host_memory_limit_gb else sysinfo.host_available_gib())
+                  host_gb=None if settings.host_memory_limit_gb else sysinfo.host_available_gib(),
+                  model_config=model_config)
     if as_json:
         import json
 
         print(json.dumps(p.as_dict(), indent=1))
     else:
         print(p.table())
+
+
+def run_settings(training_args, model_config) -> OffloadSettings:
+    """The run's settings as the plan takes them: gradient accumulation folds nothing where the arguments or the model's
+    config say that would change the result (the Trainer checks the rest once it is built)."""
+    from ..trainer.fold import config_blockers, settings_for
+
+    return settings_for(OffloadSettings.of(training_args), config_blockers(training_args, model_config))
 
 
 def model_config_of(model_args):

@@ -86,7 +86,8 @@ def plan_for_run(settings: OffloadSettings, config, seq: int, *, host_gb: float 
                 tiled_layers=left_to_plan(s.tiled_layers),
                 offload_gradients=left_to_plan(s.offload_gradients),
                 speculative=left_to_plan(s.speculative_clipping), layer_swap=s.layer_swap, lora_params=lora,
-                weight_bits=bits, accum=s.accumulation, ranks=ranks or 1, node_ranks=node_ranks,
+                weight_bits=bits, accum=s.accumulation, fold=s.fold if s.fold is not None or gpu else 1,
+                ranks=ranks or 1, node_ranks=node_ranks,
                 save_shard_bytes=min(SAVE_SHARD_BYTES, saved), weight_bytes=wb)
 
 
@@ -115,5 +116,5 @@ def plan_at_resident(plan: Plan, settings: OffloadSettings, config, seq: int, re
                                 activation_offload=plan.activation_offload, offload_gradients=plan.offload_gradients,
                                 tiled_mlp=plan.tiled_mlp,
                                 tiled_layers=plan.tiled_layers, speculative_clipping=plan.speculative_clipping,
-                                device_states=plan.device_state_gib)
+                                device_states=plan.device_state_gib, fold=plan.fold)
     return plan_for_run(fixed, config, seq, host_gb=plan.host_budget_gib, model_args=model_args)

@@ -10,7 +10,8 @@ import math
 from ..engine.sizes import STATE_BYTES_PER_VALUE
 from ..settings import CHUNK_NUMEL, INFLIGHT_CHUNKS, LOSS_CHUNK, MLP_TILE_TOKENS, gradients_offloaded
 from .estimate import estimate as _estimate
-from .shape import GiB, HostPlanError, Machine, ModelShape, PlanError, machine_for
+from .advice import refusal
+from .shape import GiB, HostPlanError, Machine, ModelShape, PlanError
 from .table import Plan
 
 # Speculative clipping takes a second bank of 8-bit states and the weights' backups in host memory (2 GiB per 1B
@@ -20,16 +21,49 @@ from .table import Plan
 SPECULATION_GAIN = 0.02
 
 
-def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = None,
-         host_memory_gb: float | None = None, max_grad_norm: float = 1.0, loss_chunk: int = LOSS_CHUNK,
-         chunk_numel: int = CHUNK_NUMEL, inflight: int = INFLIGHT_CHUNKS, activation_offload: bool | None = None,
-         offload_gradients: bool | None = None, params: int | None = None, layer_swap: bool | int | None = False,
-         lora_params: int = 0, weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
-         fused_update: bool = True, device_states: str | float = 0, save_shard_bytes: int = 0,
-         weight_bytes: int = 2, speculative: bool | None = None, tiled_mlp: bool | None = False,
-         tiled_layers: bool | None = False,
-         workers: int = 0, host_budget_source: str = "", machine: Machine = Machine()) -> Plan:
-    """The fastest configuration that fits the budgets (None = let the planner choose a switch).
+def plan(config, *, batch: int, seq: int, accum: int = 1, fold: int | None = 1, **kw) -> Plan:
+    """The fastest configuration that fits the budgets (None = let the planner choose a switch); `_plan_micro_batch`
+    says what each argument means.
+
+    `fold`: with `accum` > 1, how many of a step's micro-batches run as one (the Trainer's loop hands them one by one;
+    trainer/fold.py concatenates them): 1 runs each as it comes; None takes the divisor j of `accum` whose plan (for
+    micro-batches of `batch * j`, `accum / j` per step: the same samples per step) is predicted fastest within the
+    budgets. One micro-batch of the step's samples moves no gradient sums over PCIe, and may clip speculatively; a
+    larger micro-batch needs more GPU memory. The Plan's `batch` and `accum` are the micro-batches as run, `fold` the
+    j. Where none fits, the error is that of the micro-batches as given (fold 1), or of the `fold` asked for.
+    """
+    if fold is not None and (fold < 1 or accum % fold):
+        raise PlanError(f"fold_accumulation={fold} must divide gradient_accumulation_steps={accum}")
+    best, first_error = None, None
+    for j in [fold] if fold is not None else [j for j in range(1, accum + 1) if accum % j == 0]:
+        try:
+            p = _plan_micro_batch(config, batch=batch * j, seq=seq, accum=accum // j, **kw)
+        except PlanError as e:
+            first_error = first_error or e
+            continue
+        p.fold = j
+        if best is None or p.step_s <= best.step_s:  # (a tie goes to the larger micro-batch: fewer host copies)
+            best = p
+    if best is None:
+        raise first_error
+    if best.fold > 1:
+        best.notes.insert(0, f"gradient accumulation: {best.fold} micro-batches of {batch} x {seq} run as one of "
+                             f"{best.batch} x {seq} ({best.accum} per optimizer step): the same samples, loss and "
+                             f"update, {'no gradient sums' if best.accum == 1 else 'fewer gradient sums'} over PCIe")
+    return best
+
+
+def _plan_micro_batch(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = None,
+                      host_memory_gb: float | None = None, max_grad_norm: float = 1.0, loss_chunk: int = LOSS_CHUNK,
+                      chunk_numel: int = CHUNK_NUMEL, inflight: int = INFLIGHT_CHUNKS,
+                      activation_offload: bool | None = None, offload_gradients: bool | None = None,
+                      params: int | None = None, layer_swap: bool | int | None = False, lora_params: int = 0,
+                      weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
+                      fused_update: bool = True, device_states: str | float = 0, save_shard_bytes: int = 0,
+                      weight_bytes: int = 2, speculative: bool | None = None, tiled_mlp: bool | None = False,
+                      tiled_layers: bool | None = False, workers: int = 0, host_budget_source: str = "",
+                      machine: Machine = Machine()) -> Plan:
+    """The fastest configuration that fits the budgets for micro-batches of `batch` x `seq` tokens, `accum` per step.
 
     `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
     an int keeps that many resident. `accum`: micro-batches per optimizer step (gradient accumulation; their
@@ -111,7 +145,7 @@ def plan(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = No
                                                    gpu_usable, host_usable)
             p.notes += _notes(p, e, shape, weight_bytes)
             return p
-    advice = _advice(tried, est, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb, machine,
+    advice = refusal(tried, est, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb, machine,
                      weight_bytes, host_budget_source)
     raise (HostPlanError if any(gpu_fits) else PlanError)(advice)
 
@@ -201,8 +235,8 @@ def _embedding_for_activations(p: Plan, est, shape: ModelShape, gpu_usable: floa
 
 def _with_speculation(p: Plan, est, host_usable: float, host_gb: float | None, speculative: bool | None) -> Plan:
     """Speculative clipping where it pays: updates during backward, a step that clips rolled back and redone. It
-    needs streamed states (nothing to wait for otherwise), the spare host buffer free for backups (not
-    holding gradient sums between micro-batches) and host memory for a second bank of states and the backups; taken
+    needs streamed states (nothing to wait for otherwise) and host memory for a second bank of states and the backups
+    (in the spare buffer, which gradient sums between micro-batches leave as each is read); taken
     when its step (one that does not clip) is faster than exact clipping's, and with data parallel only when asked.
     `speculative=True` insists (an error naming why it cannot run), False never takes it."""
     if speculative is False:
@@ -211,9 +245,6 @@ def _with_speculation(p: Plan, est, host_usable: float, host_gb: float | None, s
     if p.ranks > 1 and not speculative:
         why_not = ("data parallel: speculative clipping over several ranks is verified on the CPU (gloo) only, not yet "
                    "measured on GPUs; speculative_clipping: true takes it")
-    elif p.accum > 1 and p.offload_gradients:
-        why_not = ("gradient sums between micro-batches wait in the host buffer speculation keeps its backups in, so "
-                   "steps clip exactly")
     elif p.device_states_scope == "all":
         why_not = "every 8-bit state is on the GPU: no update waits for PCIe, exact clipping is as fast"
     e = est(speculative=True) if why_not is None else None
@@ -304,67 +335,3 @@ def _predicted(e: dict) -> dict:
     return dict(gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB, host_peak_gib=e["host"] / GiB,
                 pinned_gib=e["pinned"] / GiB, pcie_gb_per_step=e["pcie"] / 1e9, step_s=e["step"],
                 native_step_s=e["native"], breakdown=e["breakdown"], host_breakdown=e["host_breakdown"])
-
-
-def _advice(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine, wb: int = 2,
-            source: str = "") -> str:
-    best = min(tried, key=lambda p: p.gpu_peak_gib)
-    same_switches = functools.partial(estimate, offload_gradients=best.offload_gradients,
-                                      activation_offload=best.activation_offload, resident=best.resident_layers,
-                                      tiled=best.tiled_mlp, tiled_layers=best.tiled_layers)
-    msgs = []
-    if best.gpu_peak_gib * GiB > gpu_usable:
-        fixed = same_switches(batch=1, seq=8)
-        msgs.append(f"GPU: needs {best.gpu_peak_gib:.1f} GiB (the leanest plan tried) but {gpu_gb:g} GiB leaves "
-                    f"{gpu_usable / GiB:.1f} GiB for PyTorch.")
-        swap_helps = best.resident_layers == best.layers and estimate(
-            batch=batch, seq=seq, offload_gradients=best.offload_gradients,
-            activation_offload=best.activation_offload, resident=0, tiled=best.tiled_mlp,
-            tiled_layers=best.tiled_layers)["reserved"] <= gpu_usable
-        if swap_helps:
-            msgs.append("Swapping decoder layers through pinned CPU memory fits: layer_swap: auto "
-                        "(the planner keeps as many layers on the GPU as fit).")
-        if fixed["reserved"] > gpu_usable and not swap_helps:
-            msgs.append(f"The weights alone ({wb * n / GiB:.1f} GiB in {'float32' if wb == 4 else 'bf16'}) and the "
-                        f"optimizer's buffers do not fit"
-                        + (f" even with {best.resident_layers} of {best.layers} layers on the GPU"
-                           if best.resident_layers < best.layers else "")
-                        + f": use LoRA (peft), or a GPU with more than "
-                        f"{fixed['reserved'] / GiB + machine.cuda_context_gib:.0f} GiB.")
-        elif fixed["reserved"] <= gpu_usable:
-            tokens = _most_tokens(lambda t: same_switches(batch=1, seq=t)["reserved"] <= gpu_usable, batch * seq)
-            b, s = max(1, tokens // seq), min(seq, tokens)
-            tokens = b * s
-            msgs.append(f"Fewer tokens per micro-batch fit: per_device_train_batch_size={b}"
-                        + (f", max_seq_length={s}" if s < seq else "")
-                        + f" (about {tokens} tokens; keep the tokens per step with gradient_accumulation_steps)"
-                        + ("" if best.activation_offload else "; or activation_offload: true"))
-    gpu_ok = [p for p in tried if p.gpu_peak_gib * GiB <= gpu_usable]
-    if gpu_ok:  # the GPU is not the problem: host RAM is
-        lean = min(gpu_ok, key=lambda p: p.host_peak_gib)
-        fixes = [f"{machine_for(lean.host_peak_gib)} (one whose RAM leaves {lean.host_peak_gib:.1f} GiB available)"]
-        if lean.clip and lean.offload_gradients:
-            freed = lean.host_breakdown.get("gradients waiting (pinned)", 0.0)
-            fixes.insert(0, f"max_grad_norm: 0 (no clipping: updates during backward need no host gradient buffer, "
-                            f"{lean.host_peak_gib - freed:.1f} GiB)")
-        fixes += [] if lean.lora_params else ["LoRA"]
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in lean.host_breakdown.items())
-        source = f" ({source})" if source else ""
-        msgs.append(f"Host RAM: the plans that fit the GPU need {lean.host_peak_gib:.1f} GiB (GiB: {parts}), but the "
-                    f"host budget is {host_gb:.1f} GiB{source}: the kernel would kill the run. Use "
-                    + ", or ".join(fixes) + ".")
-    return "no plan fits. " + " ".join(msgs)
-
-
-def _most_tokens(fits, tokens: int, step: int = 256) -> int:
-    """The largest micro-batch size in tokens, below `tokens`, for which `fits(t)`: a multiple of `step` (down to 8
-    tokens for tiny budgets). Halves until one fits, then bisects up to the `step` granularity."""
-    lo = tokens
-    while lo > 8 and not fits(lo):
-        lo //= 2
-    hi = min(2 * lo, tokens)  # lo fits (or is the floor); hi does not
-    lo_r, hi_r = lo // step, hi // step  # bisect over multiples of `step`
-    while hi_r - lo_r > 1:
-        mid = (lo_r + hi_r) // 2
-        lo_r, hi_r = (mid, hi_r) if fits(mid * step) else (lo_r, mid)
-    return max(lo, lo_r * step)

@@ -20,7 +20,8 @@ class Plan:
     activation_offload: bool
     gpu_budget_gib: float | None
     host_budget_gib: float | None
-    accum: int = 1  # micro-batches per optimizer step (gradient_accumulation_steps)
+    accum: int = 1  # micro-batches per optimizer step as run (gradient_accumulation_steps / fold)
+    fold: int = 1  # the Trainer's micro-batches run as one (`batch` is theirs times this)
     ranks: int = 1  # data parallel processes sharing the optimizer states
     resident_layers: int = 0  # decoder layers kept on the GPU; the others are swapped (layer_swap)
     tiled_mlp: bool = False  # each MLP run in tiles of MLP_TILE_TOKENS tokens, recomputed in backward
@@ -77,6 +78,8 @@ class Plan:
         rows = [
             ("parameters", f"{self.params / 1e9:.2f} B" if self.params >= 1e9 else f"{self.params / 1e6:.1f} M"),
             ("micro-batch", f"{self.batch} x {self.seq} tokens"
+             + (f" ({self.fold} of the Trainer's micro-batches of {self.batch // self.fold} x {self.seq} run as one: "
+                f"the same samples per step)" if self.fold > 1 else "")
              + (f", {self.accum} per optimizer step (gradient accumulation)" if self.accum > 1 else "")
              + (f", on each of {self.ranks} GPUs (data parallel: each holds 1/{self.ranks} of the optimizer states; "
                 f"GPU figures per GPU, host figures per node)" if self.ranks > 1 else "")),

@@ -230,6 +230,19 @@ class OffloadFields:
     layer_swap_prefetch: int = field(
         default=S.LAYER_SWAP_PREFETCH, metadata={"help": "Swapped layers fetched ahead of use (GPU slots = prefetch + 2)."},
     )
+    fold_accumulation: str = field(
+        default=S.FOLD,
+        metadata={"help": "With gradient_accumulation_steps > 1: run that many of an optimizer step's micro-batches as "
+                          "one micro-batch (concatenated, padded on the right), which computes the same loss, "
+                          "gradients and update when the loss is a sum over the step's tokens divided by their count "
+                          "(the Trainer's num_items_in_batch); every micro-batch's gradients otherwise cross PCIe to "
+                          "be summed in host memory. What the Trainer counts and calls (steps, epoch, tokens seen, "
+                          "callbacks, checkpoints) is unchanged. 'auto': the planner's choice, the fastest that fits "
+                          "the GPU and host (none without a plan); 'off': each micro-batch runs as the Trainer hands "
+                          "it; a number: that many (a divisor of gradient_accumulation_steps). Never where the result "
+                          "would differ (a model without num_items_in_batch, dropout, NEFTune, an MoE auxiliary loss, "
+                          "images, a trainer's own compute_loss): said in the log."},
+    )
     save_on_interrupt: bool = field(
         default=True,
         metadata={"help": "On Ctrl-C / SIGTERM, finish the current step, save a checkpoint, and stop with a "

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from transformers import Trainer
 
-from . import guards, run_history, run_logs, seams, staging, wiring
+from . import fold, guards, run_history, run_logs, seams, staging, wiring
 from ..engine.activations import enable_activation_offload
 from ..settings import OffloadSettings
 from .args import OffloadFields, offload_conflict, several_gpus_conflict, streams_optimizer
@@ -100,6 +100,7 @@ class OffloadMixin:
                 model=self.model)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        fold.check(self, self._run, OffloadMixin)  # (before the layer swap asks for a plan)
         wiring.install_layer_swap(self, self._run)
 
     def _filters_loss_on_device(self) -> bool:
@@ -117,6 +118,7 @@ class OffloadMixin:
     def _train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         run = self._run
         wiring.make_plan(self, run)
+        fold.start(run, self.args.per_device_train_batch_size)
         wiring.install_tiling(self, run)
         if run.settings.checkpointing and run.first_time("plain stacks") and seams.checkpoint_plain_stacks(
                 self.accelerator.unwrap_model(self.model)):
@@ -252,6 +254,15 @@ class OffloadMixin:
             run.activations = enable_activation_offload(self.accelerator.unwrap_model(model))
         tokens = int(inputs["input_ids"].numel()) if "input_ids" in inputs else 0
         run.log.tokens += tokens
+        if run.fold is not None:  # (fold.py: the group's forward and backward run at its last micro-batch)
+            if num_items_in_batch is None:
+                raise ConfigError("fold_accumulation: these batches get no num_items_in_batch from the Trainer (no "
+                                  "labels), so each micro-batch's loss is its own mean and folding would change it: "
+                                  "set fold_accumulation: off")
+            inputs = run.fold.add(inputs, last=self.accelerator.sync_gradients)
+            if inputs is None:
+                return torch.zeros((), device=self.args.device)  # (its loss is in the group's)
+            tokens = int(inputs["input_ids"].numel())
         if run.fit is not None:
             run.fit.saw_batch(tokens)
         accumulate = opt is not None and not self.accelerator.sync_gradients

@@ -70,6 +70,8 @@ class RunState:
         self.step_batches: list = []  # speculative clipping: this optimizer step's micro-batches, for a redo
         self.said: set[str] = set()  # one-time log lines already said
         self.row_tokens: tuple | None = None  # (the training dataset, its longest row): wiring.row_tokens
+        self.fold = None  # the micro-batches run as one, once planned (fold.py), or None
+        self.fold_blockers: list[str] = []  # why folding would change the result (fold.check)
 
     def first_time(self, line: str) -> bool:
         """True the first time it is asked for `line`: the log lines said once a run."""
@@ -80,6 +82,11 @@ class RunState:
     def decided(self, name: str) -> bool:
         """A switch as given, or, left unset, as the plan decided (off without a plan)."""
         return self.settings.decided(name, self.plan)
+
+    @property
+    def accumulation(self) -> int:
+        """Micro-batches per optimizer step as they run: the Trainer's, less those run as one (fold.py)."""
+        return self.settings.accumulation // (self.fold.size if self.fold is not None else 1)
 
     @property
     def sharded(self) -> bool:
@@ -93,6 +100,8 @@ class RunState:
         self.interrupted = None
         self.log = LogCounters()
         self.nonfinite.in_a_row, self.nonfinite.stopped = 0, False
+        if self.fold is not None:
+            self.fold.clear()
 
     def movers(self) -> list:
         """The mechanisms that copy between host and GPU (their traffic and stalls go to the logs)."""

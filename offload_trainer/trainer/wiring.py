@@ -208,7 +208,7 @@ def streamed_optimizer(trainer, run: RunState, model=None):
         {"params": [p for n, p in named if n in decay], "weight_decay": args.weight_decay},
         {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
     ]
-    accumulate = s.accumulation > 1
+    accumulate = run.accumulation > 1
     speculative = s.clips and run.decided("speculative_clipping")
     on_device = device_state_bytes(run)
     if speculative and run.sharded and on_device:
@@ -216,7 +216,7 @@ def streamed_optimizer(trainer, run: RunState, model=None):
                           "which updates speculate), but offload_device_states keeps some on the GPU: set "
                           "offload_device_states: off, or speculative_clipping: false")
     offload_grads = gradients_offloaded(run.decided("offload_gradients"), asked=s.offload_gradients, clips=s.clips,
-                                        accumulation=s.accumulation,
+                                        accumulation=run.accumulation,
                                         swapped_trainable=run.swap is not None and run.swap.trainable_swapped)
     run.optimizer = opt = StreamedAdamW8bit(
         groups,  # both, also when one is empty: get_learning_rates() lists them as the Trainer's do

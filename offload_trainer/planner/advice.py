@@ -1,0 +1,72 @@
+"""The planner's refusal: when no plan fits, which knob to change and by how much (search.py tries the plans)."""
+from __future__ import annotations
+
+import functools
+
+from .shape import GiB, machine_for
+
+
+def refusal(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine, wb: int = 2,
+            source: str = "") -> str:
+    """Why none of the plans `tried` fits, and what would: for the GPU, layer swap or fewer tokens per micro-batch;
+    for the host, the machine the leanest plan that fits the GPU needs, or what frees host memory."""
+    best = min(tried, key=lambda p: p.gpu_peak_gib)
+    same_switches = functools.partial(estimate, offload_gradients=best.offload_gradients,
+                                      activation_offload=best.activation_offload, resident=best.resident_layers,
+                                      tiled=best.tiled_mlp, tiled_layers=best.tiled_layers)
+    msgs = []
+    if best.gpu_peak_gib * GiB > gpu_usable:
+        fixed = same_switches(batch=1, seq=8)
+        msgs.append(f"GPU: needs {best.gpu_peak_gib:.1f} GiB (the leanest plan tried) but {gpu_gb:g} GiB leaves "
+                    f"{gpu_usable / GiB:.1f} GiB for PyTorch.")
+        swap_helps = best.resident_layers == best.layers and estimate(
+            batch=batch, seq=seq, offload_gradients=best.offload_gradients,
+            activation_offload=best.activation_offload, resident=0, tiled=best.tiled_mlp,
+            tiled_layers=best.tiled_layers)["reserved"] <= gpu_usable
+        if swap_helps:
+            msgs.append("Swapping decoder layers through pinned CPU memory fits: layer_swap: auto "
+                        "(the planner keeps as many layers on the GPU as fit).")
+        if fixed["reserved"] > gpu_usable and not swap_helps:
+            msgs.append(f"The weights alone ({wb * n / GiB:.1f} GiB in {'float32' if wb == 4 else 'bf16'}) and the "
+                        f"optimizer's buffers do not fit"
+                        + (f" even with {best.resident_layers} of {best.layers} layers on the GPU"
+                           if best.resident_layers < best.layers else "")
+                        + f": use LoRA (peft), or a GPU with more than "
+                        f"{fixed['reserved'] / GiB + machine.cuda_context_gib:.0f} GiB.")
+        elif fixed["reserved"] <= gpu_usable:
+            tokens = _most_tokens(lambda t: same_switches(batch=1, seq=t)["reserved"] <= gpu_usable, batch * seq)
+            b, s = max(1, tokens // seq), min(seq, tokens)
+            tokens = b * s
+            msgs.append(f"Fewer tokens per micro-batch fit: per_device_train_batch_size={b}"
+                        + (f", max_seq_length={s}" if s < seq else "")
+                        + f" (about {tokens} tokens; keep the tokens per step with gradient_accumulation_steps)"
+                        + ("" if best.activation_offload else "; or activation_offload: true"))
+    gpu_ok = [p for p in tried if p.gpu_peak_gib * GiB <= gpu_usable]
+    if gpu_ok:  # the GPU is not the problem: host RAM is
+        lean = min(gpu_ok, key=lambda p: p.host_peak_gib)
+        fixes = [f"{machine_for(lean.host_peak_gib)} (one whose RAM leaves {lean.host_peak_gib:.1f} GiB available)"]
+        if lean.clip and lean.offload_gradients:
+            freed = lean.host_breakdown.get("gradients waiting (pinned)", 0.0)
+            fixes.insert(0, f"max_grad_norm: 0 (no clipping: updates during backward need no host gradient buffer, "
+                            f"{lean.host_peak_gib - freed:.1f} GiB)")
+        fixes += [] if lean.lora_params else ["LoRA"]
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in lean.host_breakdown.items())
+        source = f" ({source})" if source else ""
+        msgs.append(f"Host RAM: the plans that fit the GPU need {lean.host_peak_gib:.1f} GiB (GiB: {parts}), but the "
+                    f"host budget is {host_gb:.1f} GiB{source}: the kernel would kill the run. Use "
+                    + ", or ".join(fixes) + ".")
+    return "no plan fits. " + " ".join(msgs)
+
+
+def _most_tokens(fits, tokens: int, step: int = 256) -> int:
+    """The largest micro-batch size in tokens, below `tokens`, for which `fits(t)`: a multiple of `step` (down to 8
+    tokens for tiny budgets). Halves until one fits, then bisects up to the `step` granularity."""
+    lo = tokens
+    while lo > 8 and not fits(lo):
+        lo //= 2
+    hi = min(2 * lo, tokens)  # lo fits (or is the floor); hi does not
+    lo_r, hi_r = lo // step, hi // step  # bisect over multiples of `step`
+    while hi_r - lo_r > 1:
+        mid = (lo_r + hi_r) // 2
+        lo_r, hi_r = (mid, hi_r) if fits(mid * step) else (lo_r, mid)
+    return max(lo, lo_r * step)
