@@ -367,7 +367,8 @@ def test_gpu_logs_show_pcie_pinned_and_stall_with_layer_swap(tmp_path):
     args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4,
                                     learning_rate=3e-3, activation_checkpointing=True, layer_swap="2",
                                     activation_offload=True, max_grad_norm=0.0, logging_steps=2,
-                                    gradient_accumulation_steps=2, save_strategy="no", report_to="none")
+                                    gradient_accumulation_steps=2, fold_accumulation="off", save_strategy="no",
+                                    report_to="none")
     args._n_gpu = min(args.n_gpu, 1)  # one GPU, as CUDA_VISIBLE_DEVICES=0 would give on a machine with several
     trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
     trainer.train()
