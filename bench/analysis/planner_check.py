@@ -116,6 +116,20 @@ CASES = [
     # the input embedding's states on the GPU, the layer inputs offloaded for them (the planner's choice since 20fd8c8)
     ("Llama-3-8B 4 x 2048, no clipping, embedding's states on the GPU", "2026-12-04-s66.json", "20261204-s66c",
      "offload_trainer_cli_noclip", 2048, None),
+    # gradient accumulation as users write it: 4 x (1 x 2048) folded into one micro-batch; 4 x (2 x 2048) and
+    # 16 x (1 x 2048) run as micro-batches of 4 x 2048 that accumulate (at the allocator's limit: retries)
+    ("Llama-3-8B 1 x 2048 x 4, no clipping, folded", "2026-12-04-s69.json", "20261204-s69a",
+     "offload_trainer_cli_noclip", 2048, None),
+    ("Llama-3-8B 1 x 2048 x 4, speculative, folded", "2026-12-04-s69.json", "20261204-s69a",
+     "offload_trainer_cli_speculative", 2048, None, None, "gradient_accumulation_steps=4"),
+    ("Llama-3-8B 2 x 2048 x 4, no clipping, 2 folded", "2026-12-04-s69.json", "20261204-s69b",
+     "offload_trainer_cli_noclip", 2048, None, None, "gradient_accumulation_steps=4"),
+    ("Llama-3-8B 2 x 2048 x 4, speculative, 2 folded", "2026-12-04-s69.json", "20261204-s69b",
+     "offload_trainer_cli_speculative", 2048, None, None, "gradient_accumulation_steps=4"),
+    ("Llama-3-8B 1 x 2048 x 16, no clipping, 4 folded", "2026-12-04-s69.json", "20261204-s69b",
+     "offload_trainer_cli_noclip", 2048, None, None, "gradient_accumulation_steps=16"),
+    ("Llama-3-8B 1 x 2048 x 16, speculative, 4 folded", "2026-12-04-s69.json", "20261204-s69b",
+     "offload_trainer_cli_speculative", 2048, None, None, "gradient_accumulation_steps=16"),
 ]
 
 # Cases known to be outside the bound, (run id, label) -> why; the test holds this to be exactly the cases outside, so
