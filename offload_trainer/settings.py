@@ -78,11 +78,6 @@ def parse_fold(value: Any) -> int | None:
     return int(text)
 
 
-def fold_text(value: int | None) -> str:
-    """The argument's spelling of a parsed `fold_accumulation` ('auto', 'off' or the count)."""
-    return "auto" if value is None else "off" if value == 1 else str(value)
-
-
 def gradients_offloaded(offload: bool, *, asked: bool | None, clips: bool, accumulation: int,
                         swapped_trainable: bool) -> bool:
     """Whether gradients wait in pinned host memory (the planner counts them there, the optimizer puts them there).
