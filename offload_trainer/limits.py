@@ -23,8 +23,11 @@ _rule(lambda v: v >= 1, "a positive whole number", "per_device_train_batch_size"
 _rule(lambda v: v > 0, "positive (a number of steps, or below 1 a fraction of the run)", "logging_steps",
       "save_steps", "eval_steps")
 _rule(lambda v: v >= 0, "zero or more", "learning_rate", "weight_decay", "warmup_steps", "max_grad_norm",
-      "adam_epsilon", "lora_alpha", "save_total_limit",
-      "dataloader_num_workers", "label_smoothing_factor")
+      "lora_alpha", "save_total_limit", "dataloader_num_workers", "label_smoothing_factor")
+# AdamW divides by sqrt(v) + epsilon: at 0, a weight whose gradient is 0 (an embedding row no batch used) becomes
+# 0 / 0 = NaN at the first step; above 1 the update is no longer Adam's (it shrinks to a tiny SGD step)
+_rule(lambda v: 0 < v <= 1, "positive and at most 1 (AdamW divides by sqrt(v) + adam_epsilon: 0 makes NaN of every "
+      "weight whose gradient is 0; the usual value is 1e-8)", "adam_epsilon")
 _rule(lambda v: 0 <= v < 1, "at least 0 and below 1", "adam_beta1", "adam_beta2", "lora_dropout", "eval_fraction")
 _rule(lambda v: 0 <= v < 2**32, "from 0 to 4294967295 (numpy's and torch's seed range)", "seed", "data_seed")
 _rule(lambda v: v == -1 or v > 0, "-1 (num_train_epochs decides) or a positive count: 0 would train nothing",

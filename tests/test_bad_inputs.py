@@ -226,7 +226,8 @@ def test_out_of_disk_during_save(tmp_path, capsys, monkeypatch):
     rc, err = case.run(capsys)
     assert rc == 4
     assert "out of disk space while saving checkpoint-2" in err and "checkpoint-1 is intact" in err
-    assert sorted(os.listdir(case.out)) == ["checkpoint-1"]  # nothing partial left, nothing published
+    assert sorted(os.listdir(case.out)) == [".offload-trainer-files.json", "checkpoint-1"]  # nothing partial left,
+    # nothing published (the record of what the run wrote lists checkpoint-1)
     from offload_trainer.trainer.checkpoint import check_checkpoint
 
     check_checkpoint(str(case.out / "checkpoint-1"))
@@ -650,12 +651,36 @@ def test_nonfinite_steps(tmp_path, capsys):
     assert "stopped: 3 optimizer steps in a row had a non-finite loss" in err
 
 
+def test_adam_epsilon_zero(tmp_path, capsys, no_model_load):
+    """adam_epsilon: 0 passed the checks: step 1 wrote NaN into the embedding, later losses logged 0.0000 and the run
+    exited 0 with a NaN model saved. Refused before loading, with the Python class too."""
+    from offload_trainer import OffloadTrainingArguments
+
+    expect(Case(tmp_path, "adam_epsilon: 0\n"), capsys, 2, "adam_epsilon = 0: must be positive and at most 1")
+    with pytest.raises(ValueError, match="adam_epsilon = 0.0: must be positive"):
+        OffloadTrainingArguments(output_dir=str(tmp_path), adam_epsilon=0.0)
+
+
+def test_nonfinite_weights_are_not_saved(tmp_path, capsys, monkeypatch):
+    """A finite loss but an update that made weights NaN (adam_epsilon 0, its check taken away here): the first save
+    refuses (exit 3, the tensor named), no checkpoint or model of NaN is written."""
+    import offload_trainer.limits as limits
+
+    monkeypatch.delitem(limits._RULES, "adam_epsilon")
+    case = Case(tmp_path, "adam_epsilon: 0\n")
+    rc, err = case.run(capsys)
+    assert rc == 3, err
+    assert "after step 1 the weights hold non-finite values (NaN or inf) in model.embed_tokens.weight" in err
+    assert "checkpoint-1 is not written" in err
+    assert not list(case.out.glob("checkpoint-*")) and not (case.out / "model.safetensors").exists()
+
+
 def test_every_row_has_a_test():
     rows = doc_rows()
     assert len(rows) >= 20
     here = "".join((Path(__file__).parent / f).read_text()
                    for f in ("test_bad_inputs.py", "test_faults.py", "test_qlora_outputs.py", "data/test_vision.py",
-                             "data/test_data.py", "test_dropin.py", "test_cli.py"))
+                             "data/test_data.py", "test_dropin.py", "test_cli.py", "test_output_records.py"))
     from test_faults import DATA_ROWS, MODEL_ROWS, ROWS as FAULT_ROWS, TRAINS
 
     tested = set(CONFIG_ROWS) | set(FAULT_ROWS) | set(MODEL_ROWS) | set(DATA_ROWS) | set(TRAINS)

@@ -226,3 +226,108 @@ def test_qlora_run_writes_adapters_that_reload_with_plain_transformers_and_peft(
     torch.testing.assert_close(merged, logits(bf16.merge_and_unload()), rtol=0.02, atol=0.02)  # bf16 rounding
     cfg = json.loads((out / "merged" / "config.json").read_text())
     assert "quantization_config" not in cfg
+
+
+def _trained_adapters(base_dir, out, **lora):
+    """Adapters of `lora`'s kind over the base, their B (and any module saved whole) given values to merge."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", **lora))
+    torch.manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name or "modules_to_save" in name:
+            p.data.normal_(std=0.05)
+        elif "lora_magnitude_vector" in name:
+            p.data.mul_(1.5)
+    model.save_pretrained(out)
+    return model
+
+
+@pytest.mark.parametrize("lora", [dict(use_dora=True),
+                                  dict(rank_pattern={"q_proj": 2, "down_proj": 8}, alpha_pattern={"v_proj": 3}),
+                                  dict(modules_to_save=["lm_head"]),
+                                  dict(use_rslora=True, rank_pattern={"up_proj": 2})],
+                         ids=["dora", "rank-alpha-pattern", "modules-to-save", "rslora-pattern"])
+def test_merge_equals_peft_for_each_kind(lora, tmp_path):
+    """DoRA magnitudes, per-module ranks and alphas, modules trained whole: every weight of the merge equals peft's
+    merge_and_unload (it ignored them: weights off by up to 0.5, exit 0)."""
+    from safetensors.torch import load_file
+
+    base_dir = save_base(tmp_path / "base", torch.float32)
+    want = {k: v.detach() for k, v in _trained_adapters(base_dir, tmp_path / "adapters", **lora)
+            .merge_and_unload().state_dict().items()}
+    assert cli.main(["merge", str(tmp_path / "adapters"), "--base", str(base_dir)]) == 0
+    got = {}
+    for shard in (tmp_path / "adapters" / "merged").glob("*.safetensors"):
+        got.update(load_file(shard))
+    base = {}
+    for shard in base_dir.glob("*.safetensors"):
+        base.update(load_file(shard))
+    assert got.keys() == base.keys()
+    changed = [k for k in got if not torch.equal(got[k], base[k])]
+    assert len(changed) >= 14, changed  # every linear of both layers (and lm_head saved whole)
+    for k in got:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_merge_refuses_nonfinite_adapters_and_links_out_of_the_base(tmp_path, capsys):
+    """NaN adapters are refused (they merged silently); a base file that links outside the base (a planted
+    `vocab.txt -> ~/.ssh/...`) is refused, not copied into --out; a Hub snapshot's links into its blobs/ are the
+    model's own."""
+    from safetensors.torch import load_file, save_file
+
+    base_dir = save_base(tmp_path / "base", torch.float32)
+    _trained_adapters(base_dir, tmp_path / "adapters")
+    ad = tmp_path / "adapters" / "adapter_model.safetensors"
+    good = load_file(ad)
+    bad = dict(good)
+    key = next(k for k in bad if "lora_B" in k)
+    bad[key] = bad[key].clone()
+    bad[key][0, 0] = float("nan")
+    save_file(bad, ad)
+    argv = ["merge", str(tmp_path / "adapters"), "--base", str(base_dir), "--out", str(tmp_path / "m")]
+    assert cli.main(argv) == 2
+    assert "holds non-finite values (NaN or inf)" in capsys.readouterr().err and not (tmp_path / "m").exists()
+    save_file(good, ad)
+    secret = tmp_path / "id_secret"
+    secret.write_text("PRIVATE KEY")
+    (base_dir / "vocab.txt").symlink_to(secret)
+    assert cli.main(argv) == 2
+    assert "is a link to" in capsys.readouterr().err and not (tmp_path / "m").exists()
+    (base_dir / "vocab.txt").unlink()
+    # a Hub cache: snapshots/<rev>/ holds links into blobs/
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "blobs").mkdir(parents=True)
+    snap = repo / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    for f in base_dir.iterdir():
+        (repo / "blobs" / f.name).write_bytes(f.read_bytes())
+        (snap / f.name).symlink_to(repo / "blobs" / f.name)
+    assert cli.main(["merge", str(tmp_path / "adapters"), "--base", str(snap), "--out", str(tmp_path / "m")]) == 0
+    assert (tmp_path / "m" / "config.json").is_file() and not (tmp_path / "m" / "config.json").is_symlink()
+
+
+def test_remerge_after_the_base_was_resharded_leaves_no_stale_file(tmp_path):
+    """A merge into a whole-file base, then again after the base was re-sharded: the earlier merge's
+    model.safetensors is removed (loading picked it instead of the new shards)."""
+    from transformers import AutoModelForCausalLM
+
+    base_dir = tmp_path / "base"
+    cfg = architecture_config("tiny-llama", {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    model.save_pretrained(base_dir)
+    assert (base_dir / "model.safetensors").is_file()
+    _trained_adapters(base_dir, tmp_path / "adapters")
+    argv = ["merge", str(tmp_path / "adapters"), "--base", str(base_dir)]
+    assert cli.main(argv) == 0
+    merged = tmp_path / "adapters" / "merged"
+    assert (merged / "model.safetensors").is_file()
+    for f in base_dir.glob("model*"):
+        f.unlink()
+    model.save_pretrained(base_dir, max_shard_size="200KB")
+    assert cli.main(argv) == 0
+    names = sorted(p.name for p in merged.iterdir())
+    assert "model.safetensors" not in names and "model.safetensors.index.json" in names, names

@@ -11,6 +11,7 @@ import shutil
 
 from ..errors import ConfigError, OutputBusy
 from ..trainer.checkpoint import MODEL_FILES, WEIGHT_NAME, checkpoint_steps
+from ..trainer import manifest
 from ..trainer.outputs import LOCK_NAME, STAGING_PREFIX, OutputLock
 from .config import load_yaml, parse_overrides
 
@@ -66,17 +67,21 @@ def finished_step(training_args) -> int | None:
 def check_earlier_run(training_args, model_args) -> bool:
     """An output_dir holding an earlier run is refused unless this run resumes it or asks to start over (True: it
     holds one and overwrite_output_dir asks to replace it): the new run's checkpoints would silently replace and
-    interleave with the old ones. The model's own directory is refused always (its weights would be replaced)."""
+    interleave with the old ones. The model's own directory is refused always (its weights would be replaced), and so
+    is any name the run would replace that no run of ours wrote, or a link planted where it writes."""
     out = training_args.output_dir
     base = model_args.model_name_or_path
     put_back_earlier_run(out)  # (left set aside by a run killed before its first checkpoint)
     if base and os.path.isdir(out) and os.path.realpath(base) == os.path.realpath(out):
         raise OutputBusy(f"output_dir {out!r} is the directory of the model it trains (model_name_or_path): the run "
                          f"would write its checkpoints and model over the weights. Choose another output_dir.")
-    if not os.path.isdir(out) or resumes_here(training_args):
+    if not os.path.isdir(out):
+        return False
+    check_foreign_names(out, lora=bool(model_args.lora_r), tracker="tensorboard" in (training_args.report_to or []))
+    if resumes_here(training_args):
         return False
     ckpts = list(checkpoint_steps(out))
-    finished = [n for n in ("trainer_state.json", *MODEL_FILES) if os.path.exists(os.path.join(out, n))]
+    finished = _finished_files(out)
     if not ckpts and not finished:
         return False
     if training_args.overwrite_output_dir:
@@ -87,18 +92,60 @@ def check_earlier_run(training_args, model_args) -> bool:
                      f"writes a checkpoint), or choose another output_dir.")
 
 
+def _finished_files(out: str) -> list[str]:
+    return [n for n in ("trainer_state.json", *MODEL_FILES) if os.path.lexists(os.path.join(out, n))]
+
+
 EARLIER_RUN = ".earlier-run"  # inside output_dir: an earlier run set aside by overwrite_output_dir
 
-# What a run writes into its output_dir (the Trainer's saves, ours, trackers'): overwrite_output_dir sets aside and
-# later removes these names only; anything else there (a user's notes, data, a home directory's files) stays.
+# What a run writes into its output_dir (the Trainer's saves, ours): checkpoints, a LoRA run's merged model, the
+# weights (whole or sharded), the model's, tokenizer's and Trainer's files, our figures and plots. (A LoRA run also
+# writes peft's README.md; a tracker writes into runs/, adding a directory of its own.)
 RUN_NAMES = re.compile(
-    r"^(checkpoint-\d+|merged|runs"  # checkpoints, a LoRA run's merged model, TensorBoard's logs
+    r"^(checkpoint-\d+|merged"
     r"|" + WEIGHT_NAME.pattern.strip("^$") +  # weights, whole or sharded
     r"|config\.json|generation_config\.json|adapter_config\.json"
     r"|tokenizer(_config)?\.json|tokenizer\.model|special_tokens_map\.json|added_tokens\.json|vocab\.(json|txt)"
     r"|merges\.txt|chat_template\.(jinja|json)|(pre)?processor_config\.json|video_preprocessor_config\.json"
     r"|trainer_state\.json|run_figures\.json|training_args\.bin|(train|eval|all)_results\.json"
     r"|(loss|throughput|memory)\.png)$")
+WRITTEN_INTO = ("merged", "runs", EARLIER_RUN)  # directories a run (or its tracker) writes files into
+
+
+def ours(out: str) -> set[str]:
+    """The entries of `out` a run of ours wrote: those its record lists (trainer/manifest.py). A directory written by
+    an earlier version has no record: when it holds an earlier run, the names that run writes are its own (peft's
+    README.md beside adapters; a tracker's runs/ never: it may hold other experiments), else none."""
+    recorded = manifest.read(out)
+    if recorded is not None:
+        return recorded
+    if not checkpoint_steps(out) and not _finished_files(out):
+        return set()
+    names = {n for n in os.listdir(out) if RUN_NAMES.match(n)}
+    if "adapter_config.json" in names and os.path.lexists(os.path.join(out, "README.md")):
+        names.add("README.md")
+    return names
+
+
+def check_foreign_names(out: str, lora: bool, tracker: bool) -> None:
+    """OutputBusy, before anything loads, when the run would replace a name in `out` that no run of ours wrote (a
+    user's config.json, README.md, checkpoint copy) -- nothing is replaced or deleted that a run did not write -- or
+    a link stands where it writes into a directory (the files would land wherever the link points)."""
+    mine = ours(out)
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name)
+        if name in WRITTEN_INTO and (lora or name != "merged") and (tracker or name != "runs") \
+                and (os.path.islink(path) or not os.path.isdir(path)) and os.path.lexists(path):
+            what = f"a link to {os.readlink(path)!r}" if os.path.islink(path) else "not a directory"
+            raise OutputBusy(f"output_dir {out!r}: {name} is {what}, where the run writes files into a directory of "
+                             f"its own. Remove it (the link itself: what it points to is not ours), or choose another "
+                             f"output_dir.")
+        writes = RUN_NAMES.match(name) or (lora and name == "README.md")
+        if writes and name not in mine:
+            raise OutputBusy(f"output_dir {out!r} holds {name}, which this run would replace, and no run of ours "
+                             f"wrote it (the record of what our runs wrote there, {manifest.MANIFEST_NAME}, does not "
+                             f"list it): nothing a run did not write is replaced or deleted. Move it away, or choose "
+                             f"another output_dir.")
 
 
 @contextlib.contextmanager
@@ -107,15 +154,16 @@ def earlier_run_set_aside(out: str):
     deleted once it has written a checkpoint or its model, and put back if it stops before (a bad data row, a
     signal): a run that fails early never leaves output_dir with neither run."""
     aside = os.path.join(out, EARLIER_RUN)
-    names, kept = [], []
+    mine, names, kept = ours(out), [], []
     for n in sorted(os.listdir(out)):
-        if n in (LOCK_NAME, EARLIER_RUN) or n.startswith(STAGING_PREFIX):
+        if n in (LOCK_NAME, EARLIER_RUN, manifest.MANIFEST_NAME) or n.startswith(STAGING_PREFIX):
             continue
-        (names if RUN_NAMES.match(n) else kept).append(n)
+        (names if n in mine else kept).append(n)
     ckpts = ", ".join(checkpoint_steps(out)) or "the files"
-    os.makedirs(aside, exist_ok=True)
+    os.mkdir(aside)  # (check_foreign_names refused anything already at that name)
     for n in names:
-        os.rename(os.path.join(out, n), os.path.join(aside, n))
+        os.rename(os.path.join(out, n), os.path.join(aside, n))  # (a link is moved as a link, never followed)
+    manifest.forget(out, names)
     logger.info("overwrite_output_dir: the earlier run in %s is set aside until this one writes a checkpoint", out)
     if kept:
         shown = ", ".join(kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else "")
@@ -128,6 +176,17 @@ def earlier_run_set_aside(out: str):
         put_back_earlier_run(out)
 
 
+def _move_back(src: str, dst: str) -> None:
+    """Every entry of `src` into `dst`; a directory both hold (a tracker's logs this run began) merged entry by entry,
+    so nothing of the earlier run's is dropped."""
+    for n in os.listdir(src):
+        s, d = os.path.join(src, n), os.path.join(dst, n)
+        if os.path.isdir(d) and not os.path.islink(d) and os.path.isdir(s) and not os.path.islink(s):
+            _move_back(s, d)
+        else:
+            os.replace(s, d)
+
+
 def _holds_a_run(out: str) -> bool:
     return bool(checkpoint_steps(out)) or any(os.path.exists(os.path.join(out, n)) for n in MODEL_FILES)
 
@@ -136,14 +195,18 @@ def put_back_earlier_run(out: str) -> None:
     """An earlier run set aside (`earlier_run_set_aside`) goes back into output_dir when no later run replaced it
     (it stopped first, or was killed before its first checkpoint); otherwise what is left of it is removed."""
     aside = os.path.join(out, EARLIER_RUN)
-    if not os.path.isdir(aside):
+    if not os.path.lexists(aside):
         return
+    if os.path.islink(aside) or not os.path.isdir(aside):
+        what = f"a link to {os.readlink(aside)!r}" if os.path.islink(aside) else "not a directory"
+        raise OutputBusy(f"output_dir {out!r}: {EARLIER_RUN} is {what}, not an earlier run this command set aside: "
+                         f"nothing is moved through it. Remove it (the link itself), or choose another output_dir.")
     if _holds_a_run(out):
         shutil.rmtree(aside, ignore_errors=True)
         return
-    for n in os.listdir(aside):
-        if not os.path.isdir(os.path.join(out, n)):  # (a directory this run made, e.g. its tracker's logs, stays)
-            os.replace(os.path.join(aside, n), os.path.join(out, n))
+    names = os.listdir(aside)
+    _move_back(aside, out)
+    manifest.record(out, names)
     shutil.rmtree(aside, ignore_errors=True)
     logger.warning("overwrite_output_dir: this run stopped before its first checkpoint; the earlier run in %s is "
                    "back as it was", out)

@@ -14,6 +14,7 @@ from .. import sysinfo
 from ..errors import ConfigError, TrainingInterrupted, stop_signals_call
 from ..planner import Machine, ModelShape
 from ..settings import OffloadSettings
+from ..trainer import manifest
 from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save
 from ..trainer.checkpoint import newest_complete_checkpoint
 from .config import load_config, parse_args
@@ -339,6 +340,7 @@ def write_outputs(trainer, tokenizer, model_args) -> None:
         elif model_args.lora_r and args.should_save:  # a merged model plain transformers loads: out/merged (one
             # process writes it: under torchrun every rank would share one staging directory)
             merged = os.path.join(args.output_dir, "merged")
+            manifest.record(args.output_dir, ["merged"])  # (before it exists: ours, as each file in it)
             with staged_save(merged, "the merged model") as staging:
                 trainer.model.merge_and_unload().save_pretrained(staging, max_shard_size=SAVE_SHARD_BYTES)
                 tokenizer.save_pretrained(staging)

@@ -89,6 +89,25 @@ def raise_if_stopped(run: RunState, output_dir: str, global_step: int) -> None:
             f"raise max_nonfinite_steps. " + (f"Last checkpoint: {ckpt}." if ckpt else ""))
 
 
+def refuse_nonfinite_weights(model, step: int, what: str, output_dir: str) -> None:
+    """No save writes a model of NaN: `TrainingStopped` when a trained weight holds a NaN or an infinity (the loss
+    can stay finite while an update makes some weights NaN -- an embedding row no batch used, under a zero
+    adam_epsilon -- and later losses log 0.0: the run exited 0 with a NaN model saved). One reduction per trained
+    tensor, where it lives."""
+    import torch
+
+    bad = [n for n, p in model.named_parameters()
+           if p.requires_grad and p.is_floating_point() and not bool(torch.isfinite(p.detach()).all())]
+    if not bad:
+        return
+    ckpt = newest_complete_checkpoint(output_dir)
+    shown = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+    raise TrainingStopped(f"after step {step} the weights hold non-finite values (NaN or inf) in {shown}: {what} is "
+                          f"not written. An update made them so: lower learning_rate, keep adam_epsilon at its 1e-8, "
+                          f"check the data. " + (f"Last checkpoint: {ckpt} (its weights are finite)." if ckpt
+                                                 else "No checkpoint was saved."))
+
+
 def out_of_memory(run: RunState, step: int, error: BaseException, output_dir: str) -> GpuOutOfMemory:
     """A step that ran out of GPU memory, said with what was on the GPU and the switch that frees at least 1 GiB
     (torch's own message names the allocation that failed; the planner's prediction shows how far off it was)."""

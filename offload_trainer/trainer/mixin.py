@@ -330,6 +330,7 @@ class OffloadMixin:
             warnings.filterwarnings("ignore", message="Attempting to save a model with offloaded modules")
             if _internal_call or not self.args.should_save:
                 return super().save_model(output_dir, _internal_call)
+            guards.refuse_nonfinite_weights(self.model, self.state.global_step, "the model", self.args.output_dir)
             with staged_save(output_dir or self.args.output_dir, "the model") as staging:
                 super().save_model(staging, _internal_call=True)
         if self.args.push_to_hub:

@@ -21,12 +21,13 @@ import os
 import shutil
 
 from ..errors import OutputBusy, StorageError
+from . import manifest
 
 logger = logging.getLogger("offload_trainer")
 
 LOCK_NAME = ".offload-trainer.lock"
 STAGING_PREFIX = ".partial-"  # staging/.partial-checkpoint-N/checkpoint-N while it is written
-STAGING_FINAL = ".partial-save"
+STAGING_FINAL = ".partial-save"  # + "-<pid>": a run's final save and `report`'s plots never share one
 _FULL_WORDS = ("no space left", "file write failed", "disk quota", "enospc")
 
 
@@ -185,9 +186,10 @@ def remove_staging(path: str) -> None:
 
 def publish(staged: str, final: str) -> None:
     """Atomically make the complete directory `staged` appear as `final` (replacing an older one): flushed to disk
-    first, so what appears is complete after a power loss too."""
+    first, so what appears is complete after a power loss too. `final`'s name is recorded first (manifest.py)."""
     fsync_tree(staged)
     parent = os.path.dirname(final)
+    manifest.record(parent, [os.path.basename(final)])
     old = None
     if os.path.exists(final):  # rename() cannot replace a non-empty directory: move the old one aside first
         old = os.path.join(parent, STAGING_PREFIX + "old-" + os.path.basename(final))
@@ -201,8 +203,11 @@ def publish(staged: str, final: str) -> None:
 
 def publish_into(staged: str, dest: str) -> None:
     """Every file under `staged` renamed into the same place under `dest` (replacing those of the same name), each
-    flushed to disk first: output_dir holds other things (checkpoints), so it cannot be replaced whole."""
+    flushed to disk first: output_dir holds other things (checkpoints), so it cannot be replaced whole. The top-level
+    names are recorded first (manifest.py)."""
     fsync_tree(staged)
+    os.makedirs(dest, exist_ok=True)
+    manifest.record(dest, os.listdir(staged))
     for root, dirs, files in os.walk(staged):
         target = os.path.normpath(os.path.join(dest, os.path.relpath(root, staged)))
         os.makedirs(target, exist_ok=True)
@@ -211,13 +216,33 @@ def publish_into(staged: str, dest: str) -> None:
         fsync_dir(target)
 
 
+def _remove_dead_saves(output_dir: str) -> None:
+    """What a killed save left (`.partial-save-<pid>` of a process that is gone); a live one is another process's
+    save in progress (`report` beside a run) and stays."""
+    for name in os.listdir(output_dir):
+        if not name.startswith(STAGING_FINAL):
+            continue
+        pid = name[len(STAGING_FINAL) + 1:]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try:
+                os.kill(int(pid), 0)
+                continue  # (alive)
+            except ProcessLookupError:
+                pass
+            except PermissionError:  # (alive, another user's)
+                continue
+        remove_staging(os.path.join(output_dir, name))
+
+
 @contextlib.contextmanager
 def staged_save(output_dir: str, what: str):
     """Yield a staging directory to save into; when the block completes, its files are moved into `output_dir`
     (replacing those of the same name), so a save cut short leaves only the staging directory, removed here or by the
     next run -- never a half-written model beside a config that looks complete. A full disk becomes StorageError."""
-    staging = os.path.join(output_dir, STAGING_FINAL)
+    staging = os.path.join(output_dir, f"{STAGING_FINAL}-{os.getpid()}")
     existed = os.path.isdir(output_dir)
+    if existed:
+        _remove_dead_saves(output_dir)
     remove_staging(staging)
     os.makedirs(staging)
     try:

@@ -9,13 +9,13 @@ import os
 import warnings
 
 import torch
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..engine.sizes import state_bytes
 from ..errors import CheckpointError, StorageError
-from .checkpoint import (check_checkpoint, clean_staging, load_optimizer_states, newest_complete_checkpoint,
-                         optimizer_shard_name, write_checksums)
-from . import resume_changes, run_history
+from . import guards, manifest, resume_changes, run_history
+from .checkpoint import (check_checkpoint, checkpoint_steps, clean_staging, load_optimizer_states,
+                         newest_complete_checkpoint, optimizer_shard_name, write_checksums)
 from .outputs import STAGING_PREFIX, check_space, disk_full, free_bytes, publish, remove_staging
 from .run_state import RunState
 from .wiring import row_tokens
@@ -123,6 +123,7 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
     into place when complete; a full disk becomes StorageError, the previous checkpoint intact."""
     run_dir = trainer._get_output_dir(trial)
     name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    guards.refuse_nonfinite_weights(trainer.model, trainer.state.global_step, name, run_dir)
     staging = os.path.join(run_dir, STAGING_PREFIX + name)
     main = trainer.args.should_save  # several ranks write into one staging dir; the main one publishes it
     if main:
@@ -156,8 +157,28 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
     if best and os.path.isdir(os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")):
         trainer.state.best_model_checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
     if trainer.args.should_save:  # the Trainer rotated inside the staging directory: rotate the real one
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=trainer.args.save_total_limit,
-                           best_model_checkpoint=trainer.state.best_model_checkpoint, use_mtime=True)
+        rotate(run_dir, trainer.args.save_total_limit, trainer.state.best_model_checkpoint)
+
+
+def rotate(run_dir: str, limit: int | None, best: str | None) -> None:
+    """save_total_limit: the oldest checkpoints removed, the newest and the best kept -- the Trainer's
+    `rotate_checkpoints`, but over our own only: `checkpoint-N` directories the record lists (manifest.py; without a
+    record, written by an earlier version: every `checkpoint-N`). Its glob takes any `checkpoint-*` directory (a
+    user's `checkpoint-notes/`), and a link planted at a checkpoint's name is removed, never followed."""
+    if not limit or limit <= 0:
+        return
+    recorded = manifest.read(run_dir)
+    ours = [n for n in checkpoint_steps(run_dir) if recorded is None or n in recorded]
+    paths = [os.path.join(run_dir, n) for n in ours]
+    step = {p: i for i, p in enumerate(paths)}
+    paths.sort(key=lambda p: (os.lstat(p).st_mtime, step[p]))  # (newest last, as the Trainer's use_mtime)
+    keep = {paths[-1]} if paths else set()
+    if best:
+        keep.add(os.path.join(run_dir, os.path.basename(os.path.normpath(best))))
+    extra = len(paths) - max(limit, len(keep))
+    for path in [p for p in paths if p not in keep][:max(extra, 0)]:
+        remove_staging(path)
+        manifest.forget(run_dir, [os.path.basename(path)])
 
 
 def save_optimizer_shard(trainer, run: RunState, output_dir) -> None:
