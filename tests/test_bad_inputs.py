@@ -675,6 +675,46 @@ def test_nonfinite_weights_are_not_saved(tmp_path, capsys, monkeypatch):
     assert not list(case.out.glob("checkpoint-*")) and not (case.out / "model.safetensors").exists()
 
 
+def test_two_overrides_in_one_argument(tmp_path, capsys, no_model_load):
+    """`'output_dir=runs/x max_steps=1'` as one shell argument made a directory "x max_steps=1" and ignored
+    max_steps; a value with spaces and an `=` that names no key (a text) stays a value."""
+    from offload_trainer.cli.config import parse_overrides
+
+    expect(Case(tmp_path), capsys, 2, "override 'output_dir=runs/x max_steps=1' holds a second key=value "
+           "(max_steps=...): give each as its own argument", argv=["output_dir=runs/x max_steps=1"])
+    assert not (tmp_path / "runs").exists()
+    assert parse_overrides(["system_prompt=answer as x=1 would"]) == {"system_prompt": "answer as x=1 would"}
+
+
+def test_yaml_alias_bomb(tmp_path, capsys, no_model_load):
+    """Aliases nested inside aliases (a "billion laughs") under model_overrides: a few hundred bytes that expand
+    exponentially; the run hung checking the values. Refused at once."""
+    import time
+
+    lines = ["model_overrides:", "  a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+    lines += [f"  a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 10)}]" for i in range(1, 9)]
+    t0 = time.perf_counter()
+    expect(Case(tmp_path, "\n".join(lines) + "\n"), capsys, 2, "holds more than 100,000 values once its YAML "
+           "aliases (*name) are expanded")
+    assert time.perf_counter() - t0 < 30
+
+
+def test_fifo_in_a_checkpoint_or_the_data(trained, tmp_path, capsys):
+    """A FIFO where a checkpoint file should be (or as the data file): the resume hung on it, and the stop signal's
+    message hung again. Now the checkpoint is skipped or refused, the data refused, each with a sentence."""
+    case = copy_run(trained, tmp_path)
+    fifo = case.out / "checkpoint-2" / "scheduler.pt"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    expect(case, capsys, 2, "holds scheduler.pt, which is not a regular file (a FIFO, a device or a socket)",
+           argv=[f"resume_from_checkpoint={case.out / 'checkpoint-2'}", "max_steps=4"])
+    data = tmp_path / "rows.jsonl"
+    os.mkfifo(data)
+    (tmp_path / "d").mkdir()
+    expect(Case(tmp_path / "d", f"dataset_path: {data}\n"), capsys, 2,
+           "is not a regular file (a FIFO, a device or a socket)")
+
+
 def test_every_row_has_a_test():
     rows = doc_rows()
     assert len(rows) >= 20

@@ -661,7 +661,7 @@ def test_sighup_stops_cleanly(tmp_path):
 
     run, state = RunState(OffloadSettings()), SimpleNamespace(global_step=4)
     before = signal.getsignal(signal.SIGHUP)
-    with guards.signals_stop_cleanly(run, state, str(tmp_path)):
+    with guards.signals_stop_cleanly(run, lambda: state, str(tmp_path)):
         os.kill(os.getpid(), signal.SIGHUP)
         time.sleep(0.05)
     assert run.interrupted == signal.SIGHUP and signal.getsignal(signal.SIGHUP) == before
@@ -686,7 +686,7 @@ def test_a_second_signal_stops_at_once(tmp_path):
     run, state = RunState(OffloadSettings()), SimpleNamespace(global_step=6)
 
     def train():
-        with guards.signals_stop_cleanly(run, state, str(tmp_path)):
+        with guards.signals_stop_cleanly(run, lambda: state, str(tmp_path)):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGTERM)
@@ -697,3 +697,34 @@ def test_a_second_signal_stops_at_once(tmp_path):
         train()
     run.interrupted = None
     assert exit_code_of(train) == 128 + signal.SIGTERM
+
+
+def test_a_signal_names_the_step_it_arrives_in(tmp_path, capsys):
+    """SIGTERM during step 3 of a run: the log says it finishes step 3 and the run stops after it (the handler held
+    the TrainerState of before the loop, and said "finishing step 1" at any step)."""
+    import signal
+
+    from transformers import TrainerCallback
+
+    from cli_cases import Case
+    from offload_trainer.cli import recipe
+
+    class SignalAtStep3(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    real = recipe.build_trainer
+
+    def with_callback(*a, **k):
+        trainer, tok, ev = real(*a, **k)
+        trainer.add_callback(SignalAtStep3)
+        return trainer, tok, ev
+
+    case = Case(tmp_path, "max_steps: 6\n")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recipe, "build_trainer", with_callback)
+        rc, err = case.run(capsys)
+    assert rc == 128 + signal.SIGTERM, err
+    assert "SIGTERM received: finishing step 3, then saving a checkpoint" in err
+    assert "stopped after step 3" in err

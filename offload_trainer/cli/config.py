@@ -196,8 +196,33 @@ def _no_duplicate_keys(loader, node, deep=False):
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _no_duplicate_keys)
 
 
+MAX_VALUES = 100_000  # values a config may hold once its aliases are expanded (a real one: a few hundred)
+
+
 def _load(stream):
-    return yaml.load(stream, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    data = yaml.load(stream, Loader=_Loader)  # noqa: S506 (a SafeLoader subclass)
+    _check_size(data)
+    return data
+
+
+def _check_size(data) -> None:
+    """A YAML alias repeated inside the anchor of the next (`a: &a [x, x]`, `b: &b [*a, *a]`, ...) is small on disk
+    and exponential once walked: the run hung checking its values. Counted up to MAX_VALUES, then refused."""
+    count, todo = 0, [data]
+    while todo:
+        v = todo.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise ConfigError(f"the config holds more than {MAX_VALUES:,} values once its YAML aliases (*name) are "
+                              f"expanded -- aliases nested inside aliases repeat exponentially: write the values out")
+        if isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            todo.extend(v)
+
+
+def _key_names() -> set[str]:
+    return set(valid_fields()) | set(ALIASES)  # (only for a value that looks like a second key=value)
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -207,6 +232,10 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not key=value")
         key, raw = item.split("=", 1)
+        joined = re.search(r"\s([A-Za-z_]\w*)=", raw)
+        if joined and joined.group(1) in _key_names():  # (one shell argument holding two: `'a=1 b=2'`)
+            raise ConfigError(f"override {item!r} holds a second key=value ({joined.group(1)}=...): give each as its "
+                              f"own argument, without quotes around the pair (output_dir=runs/x max_steps=1)")
         try:
             value = _load(raw) if raw != "" else None
         except yaml.YAMLError:

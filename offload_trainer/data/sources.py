@@ -58,6 +58,8 @@ def check_source(name: str) -> None:
         return
     path = os.path.expanduser(name)
     if os.path.isdir(path):
+        _refuse_special_files(name, [os.path.join(root, f) for root, _, names in os.walk(path) for f in names
+                                     if data_ext(f) in BUILDERS])
         kinds = sorted({BUILDERS[e] for f in os.listdir(path) if (e := data_ext(f)) in BUILDERS})
         if len(kinds) > 1:  # (datasets would read one kind and drop the others without a word)
             raise DataError(f"dataset_path: directory {name!r} holds data files of several kinds ({', '.join(kinds)}): "
@@ -68,6 +70,7 @@ def check_source(name: str) -> None:
         raise DataError(f"dataset_path: {name!r} does not exist (use a .txt, .jsonl, .json, .parquet, .csv or .arrow "
                         f"file, a directory of them or one written by save_to_disk, a Hub dataset name, 'builtin', "
                         f"'builtin-sft' or 'random')")
+    _refuse_special_files(name, [path])
     if data_ext(path) not in BUILDERS:
         raise DataError(f"dataset_path: {name!r} is none of {', '.join(BUILDERS)} (each may be compressed: "
                         f"{', '.join(COMPRESSED)}): convert it, or name its format with dataset_kwargs (e.g. "
@@ -76,6 +79,17 @@ def check_source(name: str) -> None:
         raise DataError(f"dataset_path: {name!r} cannot be read (permission denied)")
     if BUILDERS[data_ext(path)] == "csv":
         _check_csv_header(path, name)
+
+
+def _refuse_special_files(name: str, files: list[str]) -> None:
+    """Data is read from regular files only: a FIFO waits for a writer forever (the run hung before a word), a
+    device reads without end."""
+    import stat
+
+    for f in files:
+        if not stat.S_ISREG(os.stat(f).st_mode):
+            raise DataError(f"dataset_path: {name!r}: {f} is not a regular file (a FIFO, a device or a socket): "
+                            f"reading it would wait forever or never end. Copy the data into a file")
 
 
 def _check_csv_header(path: str, name: str) -> None:

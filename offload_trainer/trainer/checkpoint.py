@@ -138,6 +138,7 @@ def check_checkpoint(path: str, model=None) -> None:
         raise CheckpointError(f"Can't find a valid checkpoint at {path}: it is a run's output directory, not one of "
                               f"its checkpoints. Use resume_from_checkpoint: true (its newest complete checkpoint), "
                               f"or the path of one checkpoint-N in it.")
+    _check_regular_files(path)
     _check_trainer_state(path)
     weights = [f for f in WEIGHT_FILES if os.path.exists(os.path.join(path, f))]
     if not weights:
@@ -160,6 +161,25 @@ def check_checkpoint(path: str, model=None) -> None:
             _check_archive(f, path)
     _check_hyperparameters(path)
     _check_checksums(path)
+
+
+def _check_regular_files(path: str) -> None:
+    """Every file of a checkpoint is a regular file (a link to one is read as it): a FIFO planted at a file's name
+    made the resume hang on it, and the stop signal's message hang again looking for the last checkpoint."""
+    import stat
+
+    for root, _, names in os.walk(path):
+        for name in names:
+            full = os.path.join(root, name)
+            try:
+                mode = os.stat(full).st_mode
+            except OSError as e:  # (a dangling link)
+                raise CheckpointError(f"checkpoint {path!r} is damaged: {os.path.relpath(full, path)} cannot be read "
+                                      f"({e.strerror}). Resume from an earlier checkpoint.") from None
+            if not stat.S_ISREG(mode):
+                raise CheckpointError(f"checkpoint {path!r} holds {os.path.relpath(full, path)}, which is not a "
+                                      f"regular file (a FIFO, a device or a socket): reading it would wait forever. "
+                                      f"Remove it, or resume from an earlier checkpoint.")
 
 
 def _check_hyperparameters(path: str) -> None:

@@ -18,11 +18,14 @@ NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau")  # (transformers' sch
 
 
 @contextlib.contextmanager
-def signals_stop_cleanly(run: RunState, state, output_dir: str | None = None):
+def signals_stop_cleanly(run: RunState, trainer_state, output_dir: str | None = None):
     """SIGINT / SIGTERM / SIGHUP: finish the current step, save if save_on_interrupt, then stop; a second one: stop
-    now, saying so (`TrainingInterrupted`, naming the last complete checkpoint in `output_dir`). (`state`: the
-    Trainer's TrainerState, for the step named in the log.)"""
+    now, saying so (`TrainingInterrupted`, naming the last complete checkpoint in `output_dir`). (`trainer_state`:
+    returns the Trainer's TrainerState when called, for the step named in the log: the Trainer makes a new one when
+    its loop starts, so the one of the moment a signal arrives, never one held from before -- that said "finishing
+    step 1" at any step.)"""
     def handler(signum, frame):
+        state = trainer_state()
         name = signal.Signals(signum).name
         if run.interrupted is not None:
             ckpt = newest_complete_checkpoint(output_dir) if output_dir else None

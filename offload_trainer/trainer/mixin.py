@@ -138,7 +138,7 @@ class OffloadMixin:
             logger.info("non-finite steps: an optimizer step whose loss or gradient norm is NaN/inf is skipped (weights "
                         "and 8-bit states kept), where the Trainer would apply it; training goes on, as the Trainer's "
                         "does (OffloadTrainingArguments' max_nonfinite_steps stops after that many in a row)")
-        with guards.signals_stop_cleanly(run, self.state, self.args.output_dir), \
+        with guards.signals_stop_cleanly(run, lambda: self.state, self.args.output_dir), \
                 seams.no_ddp_wrapper(self.accelerator, run), seams.optimizer_not_moved(self.accelerator), \
                 seams.loss_filter_on_device(self.args, run, on_device=self._filters_loss_on_device()), \
                 seams.step_decisions(self.callback_handler, self._on_step_begin, self._on_step_end), \
