@@ -715,6 +715,47 @@ def test_fifo_in_a_checkpoint_or_the_data(trained, tmp_path, capsys):
            "is not a regular file (a FIFO, a device or a socket)")
 
 
+def test_utf16_or_semicolon_data(tmp_path, capsys, no_model_load):
+    """Data saved as UTF-16 (Windows' "Unicode") was read as UTF-8 and blamed on line 2 as "not valid JSON"; a CSV
+    delimited by ';' read as one column and got the hint of a JSON field. Each names what it is and the fix."""
+    u16 = tmp_path / "rows.jsonl"
+    u16.write_bytes('{"text": "hello world"}\n'.encode("utf-16"))
+    expect(Case(tmp_path, f"dataset_path: {u16}\n"), capsys, 2, "is UTF-16 text, not UTF-8: save the data as UTF-8")
+    semi = tmp_path / "rows.csv"
+    semi.write_text("text;label\nhello world;1\nsecond row;0\n")
+    expect(Case(tmp_path, f"dataset_path: {semi}\n"), capsys, 2, "looks delimited by ';', not commas: read it with "
+           "dataset_kwargs: {sep: \";\"}")
+
+
+def test_resume_across_full_and_lora(trained, tmp_path, capsys):
+    """A full finetune's checkpoints resumed as a LoRA run: named as such (it said "another number of layers?", then
+    "holds no complete checkpoint-N directory")."""
+    case = copy_run(trained, tmp_path)
+    expect(case, capsys, 2, "none of checkpoint-1, checkpoint-2 can be resumed here",
+           "was saved by a full finetune run (its weights are the whole model), and this run trains LoRA adapters",
+           argv=["resume_from_checkpoint=true", "max_steps=4", "lora_r=4", "lora_target_modules=all-linear"])
+
+
+def test_planted_pickle_in_a_checkpoint(trained, tmp_path, capsys):
+    """A pickle planted in a checkpoint (checksums rewritten to match): a weights-only load refuses it, so no code
+    ran, but the resume ended in an UnpicklingError traceback. Now a sentence, before anything loads."""
+    from offload_trainer.trainer.checkpoint import CHECKSUMS, write_checksums
+
+    case = copy_run(trained, tmp_path)
+    ckpt = case.out / "checkpoint-2"
+    torch.save({"x": _Planted()}, ckpt / "rng_state.pth")
+    (ckpt / CHECKSUMS).unlink()
+    write_checksums(str(ckpt))
+    err = expect(case, capsys, 2, "rng_state.pth holds", "not what a run saves there, and not loaded (nothing in it ran)",
+                 argv=[f"resume_from_checkpoint={ckpt}", "max_steps=4"])
+    assert "a planted pickle ran" not in err
+
+
+class _Planted:
+    def __reduce__(self):
+        return (print, ("a planted pickle ran",))
+
+
 def test_every_row_has_a_test():
     rows = doc_rows()
     assert len(rows) >= 20
@@ -745,3 +786,39 @@ def test_python_arguments_out_of_range(kwargs, needle, tmp_path):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         OffloadTrainingArguments(output_dir=str(tmp_path), **kwargs)
     assert OffloadTrainingArguments(output_dir=str(tmp_path)).learning_rate > 0
+
+
+def test_file_size_limit_at_the_first_checkpoint(tmp_path):
+    """`ulimit -f` smaller than a checkpoint: the save fails with EFBIG after a step trained (a raw traceback, not
+    recognised as storage). Now exit 4 and a sentence naming the limit; nothing published."""
+    import resource
+    import subprocess
+    import sys
+
+    case = Case(tmp_path, "max_steps: 1\n")
+    limit = 1 << 20  # (the tiny model's weights alone are 2 MB)
+
+    def small_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    r = subprocess.run([sys.executable, "-m", "offload_trainer.cli", "train", str(case.config)], capture_output=True,
+                       text=True, timeout=300, preexec_fn=small_files, env={**os.environ, "HF_DATASETS_CACHE":
+                                                                           str(tmp_path / "cache")})
+    assert r.returncode == 4, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    assert "over the file-size limit (ulimit -f) while saving checkpoint-1" in r.stderr
+    assert "or start again: no step was saved" in r.stderr
+    assert not list(case.out.glob("checkpoint-*"))
+
+
+def test_output_dir_too_long(tmp_path, capsys, no_model_load):
+    """An output_dir within the system's path limit whose checkpoint files are not (4051 characters): a step trained,
+    then `OSError: File name too long` at the first checkpoint. Refused before loading."""
+    n = 4060 - len(str(tmp_path)) - 1
+    parts = []
+    while n > 0:
+        parts.append("f" * min(250, n))
+        n -= len(parts[-1]) + 1
+    out = tmp_path.joinpath(*parts)
+    expect(Case(tmp_path, f"output_dir: {out}\n"), capsys, 4, "characters long: the files a run writes inside it",
+           "Choose a shorter output_dir")

@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import json
+
 import logging
 from dataclasses import dataclass
 
@@ -52,7 +54,11 @@ def detect_format(columns: list[str], text_field: str, where: str) -> str:
     if text_field in columns:
         return "text"
     hint = ""
-    if len(columns) == 1:  # a JSON file holding {"data": [records]} reads as one record with one column
+    sep = next((c for c in (";", "\t", "|") if len(columns) == 1 and c in columns[0]), None)
+    if sep is not None:  # a CSV delimited by another character reads as one column named by the whole header
+        hint = (f" (the header {columns[0]!r} looks delimited by {sep!r}, not commas: read it with dataset_kwargs: "
+                f"{{sep: {json.dumps(sep)}}})")
+    elif len(columns) == 1:  # a JSON file holding {"data": [records]} reads as one record with one column
         hint = (f" (if {columns[0]!r} holds the records, as in {{{columns[0]!r}: [...]}}, read them with "
                 f"dataset_kwargs: {{field: {columns[0]}}})")
     raise DataError(f"{where}: records have columns {sorted(columns)}; expected {text_field!r} (dataset_text_field), "

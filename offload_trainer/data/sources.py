@@ -77,8 +77,30 @@ def check_source(name: str) -> None:
                         f"{{builder: json}})")
     if not os.access(path, os.R_OK):
         raise DataError(f"dataset_path: {name!r} cannot be read (permission denied)")
+    _check_utf8_family(path, name)
     if BUILDERS[data_ext(path)] == "csv":
         _check_csv_header(path, name)
+
+
+# byte-order marks of the encodings Windows tools save "Unicode" text in; UTF-8's own (EF BB BF) is read as UTF-8
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+         (b"\xfe\xff", "UTF-16"))
+
+
+def _check_utf8_family(path: str, name: str) -> None:
+    """A text data file in UTF-16 or UTF-32 (a byte-order mark, or the NUL bytes every ASCII character of them
+    holds): datasets read it as UTF-8 and failed on a line it named, with a hint about JSON or columns."""
+    if data_ext(path) not in (".txt", ".jsonl", ".json", ".csv"):
+        return
+    try:
+        with _open_bytes(path) as f:
+            head = f.read(1 << 12)
+    except DAMAGED:
+        return  # (the reader says so)
+    enc = next((e for bom, e in _BOMS if head.startswith(bom)), "UTF-16 or UTF-32" if b"\x00" in head else None)
+    if enc is not None:
+        raise DataError(f"dataset_path: {name!r} is {enc} text, not UTF-8: save the data as UTF-8 (e.g. iconv -f "
+                        f"{enc.split()[0]} -t UTF-8 FILE > NEW)")
 
 
 def _refuse_special_files(name: str, files: list[str]) -> None:

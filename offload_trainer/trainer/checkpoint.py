@@ -210,13 +210,32 @@ def _check_trainer_state(path: str) -> None:
 
 
 def _check_archive(file: str, path: str) -> None:
-    """torch.save's archive is a zip: a cut-short or emptied file has no central directory."""
+    """torch.save's archive is a zip: a cut-short or emptied file has no central directory. And it loads as the resume
+    will load it, weights only (memory-mapped: its tensors are not read): a pickle planted there, refused by that
+    load, ran no code but ended the resume in a traceback."""
+    import pickle
+
+    import torch
+
     try:
         with zipfile.ZipFile(file) as z:
             z.namelist()
     except (zipfile.BadZipFile, OSError) as e:
         raise CheckpointError(f"checkpoint {path!r} is damaged: {os.path.basename(file)} is not a complete "
                               f"archive ({e}). Resume from an earlier checkpoint.") from None
+    from transformers.trainer_pt_utils import safe_globals  # (numpy's RNG state: what the Trainer allows too)
+
+    try:
+        with safe_globals():
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+        what = f"a call of {found.group(1)}" if found else "objects a weights-only load refuses"
+        raise CheckpointError(f"checkpoint {path!r}: {os.path.basename(file)} holds {what}: not what a run saves "
+                              f"there, and not loaded (nothing in it ran). Resume from a checkpoint you trust.") from None
+    except (RuntimeError, EOFError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path!r} is damaged: {os.path.basename(file)} cannot be loaded "
+                              f"({str(e).splitlines()[0][:160]}). Resume from an earlier checkpoint.") from None
 
 
 def optimizer_shard_name(rank: int, world_size: int) -> str:
@@ -290,6 +309,14 @@ def _safetensors_shapes(file: str, path: str) -> dict[str, tuple]:
 
 
 def _check_same_model(saved: dict[str, tuple], model, path: str) -> None:
+    saved_lora, lora_here = any("lora" in k for k in saved), hasattr(model, "get_base_model")
+    if saved_lora != lora_here:  # (the names differ wholesale: "another number of layers?" misled)
+        raise CheckpointError(
+            f"checkpoint {path!r} was saved by a {'LoRA' if saved_lora else 'full finetune'} run (its weights are "
+            f"{'adapters' if saved_lora else 'the whole model'}), and this run "
+            f"{'trains LoRA adapters' if lora_here else 'is a full finetune'}: resume it "
+            f"{'with the lora_r it trained with' if saved_lora else 'without lora_r'}, or start this run in another "
+            f"output_dir without resume_from_checkpoint.")
     inner = model.get_base_model() if hasattr(model, "get_base_model") and not any(
         "lora" in k for k in saved) else model
     # Parameters only: what the optimizer's states belong to must match; buffers are the model's own business (a

@@ -28,6 +28,9 @@ logger = logging.getLogger("offload_trainer")
 LOCK_NAME = ".offload-trainer.lock"
 STAGING_PREFIX = ".partial-"  # staging/.partial-checkpoint-N/checkpoint-N while it is written
 STAGING_FINAL = ".partial-save"  # + "-<pid>": a run's final save and `report`'s plots never share one
+# the longest name a run writes under output_dir, with room to spare: a checkpoint's staging copy of a rank's
+# optimizer shard, `.partial-checkpoint-1000000/checkpoint-1000000/optimizer-rank15-of-16.pt` (63)
+DEEPEST_NAME = 100
 _FULL_WORDS = ("no space left", "file write failed", "disk quota", "enospc")
 
 
@@ -107,6 +110,16 @@ def check_output_dir(output_dir: str) -> None:
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise StorageError(f"output_dir {output_dir!r} is a file, not a directory: choose another output_dir or "
                            f"move the file away")
+    longest = len(os.path.abspath(output_dir)) + DEEPEST_NAME
+    try:
+        path_max = os.pathconf(free_path(output_dir), "PC_PATH_MAX")
+    except (OSError, ValueError):
+        path_max = 4096
+    if longest > path_max:
+        raise StorageError(f"output_dir is {len(os.path.abspath(output_dir))} characters long: the files a run writes "
+                           f"inside it (a checkpoint's staging copy, e.g. .partial-checkpoint-N/checkpoint-N/"
+                           f"optimizer.pt) would pass this system's limit of {path_max} characters for a path, at the "
+                           f"first checkpoint. Choose a shorter output_dir -- checked before loading anything.")
     probe = os.path.join(output_dir, f".write-probe-{os.getpid()}")
     try:
         os.makedirs(output_dir, exist_ok=True)
@@ -124,11 +137,16 @@ def check_output_dir(output_dir: str) -> None:
                            ) from None
 
 
-def free_bytes(path: str) -> int:
+def free_path(path: str) -> str:
+    """`path`, or its nearest ancestor that exists."""
     probe = path
     while not os.path.exists(probe):
         probe = os.path.dirname(probe) or "."
-    return shutil.disk_usage(probe).free
+    return probe
+
+
+def free_bytes(path: str) -> int:
+    return shutil.disk_usage(free_path(path)).free
 
 
 def check_space(path: str, need_bytes: int, what: str) -> None:
@@ -150,6 +168,17 @@ def disk_full(exc: BaseException, path: str) -> bool:
     with contextlib.suppress(OSError):
         return free_bytes(path) < 2**20  # a writer's own wording: what the disk says
     return False
+
+
+def storage_limit(exc: BaseException, path: str) -> str | None:
+    """What stopped a writer under `path`, said for the user: a full disk, or the shell's file-size limit (`ulimit
+    -f`: the write fails with EFBIG, Python ignoring the SIGXFSZ that would kill it); None for anything else."""
+    e = exc
+    while e is not None:
+        if isinstance(e, OSError) and e.errno == errno.EFBIG or "file too large" in str(e).lower():
+            return "over the file-size limit (ulimit -f)"
+        e = e.__cause__ or e.__context__
+    return "out of disk space" if disk_full(exc, path) else None
 
 
 def fsync_tree(path: str) -> None:
@@ -253,10 +282,11 @@ def staged_save(output_dir: str, what: str):
         if not existed:  # (made for this save: nothing of it stays)
             with contextlib.suppress(OSError):
                 os.rmdir(output_dir)
-        if disk_full(e, output_dir):
-            raise StorageError(f"out of disk space while writing {what} to {output_dir!r} "
+        why = storage_limit(e, output_dir)
+        if why:
+            raise StorageError(f"{why} while writing {what} to {output_dir!r} "
                                f"({free_bytes(output_dir) / 2**30:.2f} GiB free); nothing of it was kept. Free some "
-                               f"space and save again (checkpoints, if any, are intact).") from None
+                               f"space (or raise the limit) and save again (checkpoints, if any, are intact).") from None
         raise
     finally:
         remove_staging(staging)

@@ -16,7 +16,7 @@ from ..errors import CheckpointError, StorageError
 from . import guards, manifest, resume_changes, run_history
 from .checkpoint import (check_checkpoint, checkpoint_steps, clean_staging, load_optimizer_states,
                          newest_complete_checkpoint, optimizer_shard_name, write_checksums)
-from .outputs import STAGING_PREFIX, check_space, disk_full, free_bytes, publish, remove_staging
+from .outputs import STAGING_PREFIX, check_space, free_bytes, publish, remove_staging, storage_limit
 from .run_state import RunState
 from .wiring import row_tokens
 
@@ -33,6 +33,14 @@ def resolve_resume(trainer, run: RunState, resume):
     if resume is True:
         found = newest_complete_checkpoint(trainer.args.output_dir, trainer.model)
         if found is None:  # the Trainer's own words first: scripts match on them
+            names = list(checkpoint_steps(trainer.args.output_dir)) if os.path.isdir(trainer.args.output_dir) else []
+            if names:  # (each was skipped, logged: the newest one's reason is the answer)
+                try:
+                    check_checkpoint(os.path.join(trainer.args.output_dir, names[-1]), trainer.model)
+                except CheckpointError as e:
+                    raise CheckpointError(f"No valid checkpoint found in output directory "
+                                          f"({trainer.args.output_dir}): none of {', '.join(names)} can be resumed "
+                                          f"here; the newest: {e}") from None
             raise CheckpointError(f"No valid checkpoint found in output directory ({trainer.args.output_dir}): "
                                   f"resume_from_checkpoint: true, but it holds no complete checkpoint-N "
                                   f"directory. Start without resume_from_checkpoint.")
@@ -142,13 +150,15 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
             publish(os.path.join(staging, name), os.path.join(run_dir, name))
         trainer.accelerator.wait_for_everyone()
     except Exception as e:  # torch.save and safetensors report a full disk in their own words
-        if not disk_full(e, run_dir):
+        why = storage_limit(e, run_dir)
+        if not why:
             raise
         prev = newest_complete_checkpoint(run_dir)
-        raise StorageError(f"out of disk space while saving {name} in {run_dir!r} "
+        raise StorageError(f"{why} while saving {name} in {run_dir!r} "
                            f"({free_bytes(run_dir) / 2**30:.2f} GiB free); nothing was "
                            f"published. " + (f"The previous checkpoint {prev} is intact. " if prev else "")
-                           + "Free some space and resume with resume_from_checkpoint: true.") from None
+                           + "Free some space (or raise the limit) and resume with resume_from_checkpoint: true"
+                           + ("." if prev else ", or start again: no step was saved.")) from None
     finally:
         run.staging_dir = None
         if main:
