@@ -150,7 +150,8 @@ def test_host_ram_too_small(tmp_path, capsys, monkeypatch, no_model_load):
             "per_device_train_batch_size: 4\nmax_grad_norm: 0\n")
     expect(Case(tmp_path, body + "gpu_memory_limit_gb: 24\n"), capsys, 2,
            "Host RAM: the plans that fit the GPU need 18.8 GiB", "but the host budget is 16.0 GiB (available on this "
-           "machine): the kernel would kill the run. Use a 24 GB machine", "or LoRA.")
+           "machine): the kernel would kill the run. Use a 32 GB machine (~27.2 GiB available; this run needs 18.8; or 2.8 GiB "
+           "more free on this one)", "or LoRA.")
     # the key: the lesser of it and what is available
     (tmp_path / "key").mkdir()
     monkeypatch.setattr(sysinfo, "host_available_gib", lambda: 120.0)

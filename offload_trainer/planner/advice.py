@@ -6,10 +6,13 @@ import functools
 from .shape import GiB, machine_for
 
 
-def refusal(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine, wb: int = 2,
+def refusal(checked, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine, wb: int = 2,
             source: str = "") -> str:
-    """Why none of the plans `tried` fits, and what would: for the GPU, layer swap or fewer tokens per micro-batch;
-    for the host, the machine the leanest plan that fits the GPU needs, or what frees host memory."""
+    """Why none of the plans tried fits, and what would: for the GPU, layer swap or fewer tokens per micro-batch;
+    for the host, the machine the leanest plan that fits the GPU needs, or what frees host memory; a plan that fits
+    both budgets but not layer_swap: auto's start margin, named with the margin and the count that runs as set.
+    `checked`: (plan, the GPU bytes it was given: the budget, or the budget less that margin)."""
+    tried = [p for p, _ in checked]
     best = min(tried, key=lambda p: p.gpu_peak_gib)
     same_switches = functools.partial(estimate, offload_gradients=best.offload_gradients,
                                       activation_offload=best.activation_offload, resident=best.resident_layers,
@@ -41,14 +44,24 @@ def refusal(tried, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine
                         + (f", max_seq_length={s}" if s < seq else "")
                         + f" (about {tokens} tokens; keep the tokens per step with gradient_accumulation_steps)"
                         + ("" if best.activation_offload else "; or activation_offload: true"))
-    gpu_ok = [p for p in tried if p.gpu_peak_gib * GiB <= gpu_usable]
-    if gpu_ok:  # the GPU is not the problem: host RAM is
+    host_ok = host_gb is None or host_gb <= 0
+    margin_only = [(p, u) for p, u in checked if u * 1.0 < p.gpu_peak_gib * GiB <= gpu_usable
+                   and (host_ok or p.host_peak_gib <= host_gb)]
+    if margin_only:  # both budgets hold; auto's margin for its first measured steps does not
+        p, u = max(margin_only, key=lambda pu: pu[0].resident_layers)
+        msgs.append(f"GPU: with {p.resident_layers} of {p.layers} decoder layers on the GPU the plan needs "
+                    f"{p.gpu_peak_gib:.2f} GiB of the {gpu_usable / GiB:.2f} usable ({gpu_gb:g} GiB budget) and "
+                    f"{p.host_peak_gib:.1f} GiB of host memory, which fit; but layer_swap: auto starts "
+                    f"{(gpu_usable - u) / GiB:.2f} GiB under the budget (0.5 GiB + a quarter of the step's working "
+                    f"set, room for its first steps to measure the peak), and no count fits under that. Set "
+                    f"layer_swap: {p.resident_layers} to run that count as set, "
+                    f"{(gpu_usable - p.gpu_peak_gib * GiB) / GiB:.2f} GiB under the budget as predicted.")
+    gpu_ok = [p for p, u in checked if p.gpu_peak_gib * GiB <= u]
+    if gpu_ok and not margin_only:  # the GPU is not the problem: host RAM is
         lean = min(gpu_ok, key=lambda p: p.host_peak_gib)
-        fixes = [f"{machine_for(lean.host_peak_gib)} (one whose RAM leaves {lean.host_peak_gib:.1f} GiB available)"]
-        if lean.clip and lean.offload_gradients:
-            freed = lean.host_breakdown.get("gradients waiting (pinned)", 0.0)
-            fixes.insert(0, f"max_grad_norm: 0 (no clipping: updates during backward need no host gradient buffer, "
-                            f"{lean.host_peak_gib - freed:.1f} GiB)")
+        fixes = [machine_for(lean.host_peak_gib, above=host_gb)]
+        if lean.clip and lean.offload_gradients:  # (its figure: the plan it gives, search.py's list of keys)
+            fixes.insert(0, "max_grad_norm: 0 (no clipping: updates during backward need no host gradient buffer)")
         fixes += [] if lean.lora_params else ["LoRA"]
         parts = ", ".join(f"{k} {v:.1f}" for k, v in lean.host_breakdown.items())
         source = f" ({source})" if source else ""

@@ -21,7 +21,7 @@ from .table import Plan
 SPECULATION_GAIN = 0.02
 
 
-def plan(config, *, batch: int, seq: int, accum: int = 1, fold: int | None = 1, **kw) -> Plan:
+def plan(config, *, batch: int, seq: int, accum: int = 1, fold: int | None = 1, suggest: bool = True, **kw) -> Plan:
     """The fastest configuration that fits the budgets (None = let the planner choose a switch); `_plan_micro_batch`
     says what each argument means.
 
@@ -30,7 +30,8 @@ def plan(config, *, batch: int, seq: int, accum: int = 1, fold: int | None = 1, 
     micro-batches of `batch * j`, `accum / j` per step: the same samples per step) is predicted fastest within the
     budgets. One micro-batch of the step's samples moves no gradient sums over PCIe, and may clip speculatively; a
     larger micro-batch needs more GPU memory. The Plan's `batch` and `accum` are the micro-batches as run, `fold` the
-    j. Where none fits, the error is that of the micro-batches as given (fold 1), or of the `fold` asked for.
+    j. Where none fits, the error is that of the micro-batches as given (fold 1), or of the `fold` asked for, and
+    (`suggest`) it ends with every key of `ALTERNATIVES` that makes the run fit on its own, with the plan it gives.
     """
     if fold is not None and (fold < 1 or accum % fold):
         raise PlanError(f"fold_accumulation={fold} must divide gradient_accumulation_steps={accum}")
@@ -45,12 +46,38 @@ def plan(config, *, batch: int, seq: int, accum: int = 1, fold: int | None = 1, 
         if best is None or p.step_s <= best.step_s:  # (a tie goes to the larger micro-batch: fewer host copies)
             best = p
     if best is None:
+        fits = _fits_with(config, batch, seq, accum, fold, kw) if suggest else []
+        if fits:
+            raise type(first_error)(f"{first_error} Each of these fits as the only change: {'; '.join(fits)}.")
         raise first_error
     if best.fold > 1:
         best.notes.insert(0, f"gradient accumulation: {best.fold} micro-batches of {batch} x {seq} run as one of "
                              f"{best.batch} x {seq} ({best.accum} per optimizer step): the same samples, loss and "
                              f"update, {'no gradient sums' if best.accum == 1 else 'fewer gradient sums'} over PCIe")
     return best
+
+
+# keys a refusal tries one at a time (the argument, the value that asks for it, the key as a config writes it); a
+# value the run already has is skipped
+ALTERNATIVES = (("max_grad_norm", 0, "max_grad_norm: 0"), ("layer_swap", None, "layer_swap: auto"),
+                ("activation_offload", True, "activation_offload: true"), ("tiled_layers", None, "tiled_layers: true"))
+_ARG_DEFAULTS = {"max_grad_norm": 1.0, "layer_swap": False, "activation_offload": None, "tiled_layers": False}
+
+
+def _fits_with(config, batch, seq, accum, fold, kw) -> list[str]:
+    """Each key of ALTERNATIVES that makes a refused run fit on its own, with its plan's figures."""
+    found = []
+    for key, value, text in ALTERNATIVES:
+        now = kw.get(key, _ARG_DEFAULTS[key])
+        if now == value or (key == "activation_offload" and now is None) or (key == "max_grad_norm" and not now):
+            continue  # (activation_offload None: the planner tried it already)
+        try:
+            p = plan(config, batch=batch, seq=seq, accum=accum, fold=fold, suggest=False, **{**kw, key: value})
+        except ValueError:  # (PlanError, or a combination the planner refuses)
+            continue
+        found.append(f"{text} ({p.gpu_peak_gib:.1f} GiB GPU, {p.host_peak_gib:.1f} GiB host, {p.step_s:.2f} s a "
+                     f"step)")
+    return found
 
 
 def _plan_micro_batch(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = None,
@@ -111,7 +138,7 @@ def _plan_micro_batch(config, *, batch: int, seq: int, gpu_memory_limit_gb: floa
         if layer_swap is not None:
             return gpu_usable
         return gpu_usable - AUTO_SWAP_START_MARGIN_GIB * GiB - AUTO_SWAP_START_WORKING_SHARE * e["working"]
-    tried, gpu_fits = [], []  # every plan tried; whether each fit the GPU
+    tried, gpu_fits, usables = [], [], []  # every plan tried; whether each fit the GPU; the GPU bytes it was given
     for switches in (dict(s, tiled=mlp, tiled_layers=layers) for mlp, layers in _tilings(
             tiled_mlp, tiled_layers, seq, shape) for s in _candidates(
             shape.layers, layer_swap, activation_offload, offload_gradients, clip=clip, accum=accum,
@@ -123,6 +150,7 @@ def _plan_micro_batch(config, *, batch: int, seq: int, gpu_memory_limit_gb: floa
         # (none resident: no fewer to start from, so the plan that fits the budget itself runs and is measured)
         usable = gpu_usable if switches["resident"] in (shape.layers, 0) else swap_usable(e)
         gpu_fits.append(e["reserved"] <= usable)
+        usables.append(usable)
         p.fits = gpu_fits[-1] and e["host"] <= host_usable
         tried.append(p)
         if p.fits and device_states == "auto" and gpu_memory_limit_gb and ranks == 1 and not (
@@ -145,8 +173,8 @@ def _plan_micro_batch(config, *, batch: int, seq: int, gpu_memory_limit_gb: floa
                                                    gpu_usable, host_usable)
             p.notes += _notes(p, e, shape, weight_bytes)
             return p
-    advice = refusal(tried, est, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb, machine,
-                     weight_bytes, host_budget_source)
+    advice = refusal(list(zip(tried, usables)), est, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb,
+                     machine, weight_bytes, host_budget_source)
     raise (HostPlanError if any(gpu_fits) else PlanError)(advice)
 
 

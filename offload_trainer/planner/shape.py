@@ -22,11 +22,23 @@ OS_KEEPS_GIB = 2.6
 RAM_SIZES_GB = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
-def machine_for(host_gib: float) -> str:
-    """The smallest usual RAM size whose available memory holds `host_gib`, as a phrase ("a 96 GB machine")."""
-    need_gb = (host_gib + OS_KEEPS_GIB) * GiB / 1e9
-    size = next((g for g in RAM_SIZES_GB if g >= need_gb), None)
-    return f"a {size} GB machine" if size else f"a machine with {need_gb:.0f} GB of RAM"
+def available_gib(ram_gb: int) -> float:
+    """What a machine of `ram_gb` GB of RAM (as sold) leaves a run: 32 -> 27.2, 64 -> 57.0, 128 -> 116.6 GiB."""
+    return ram_gb * 1e9 / GiB - OS_KEEPS_GIB
+
+
+def machine_for(host_gib: float, above: float | None = None) -> str:
+    """The smallest usual RAM size whose available memory holds `host_gib` -- and larger than the machine that
+    leaves `above`, the budget the user has now (a machine of the size they own is never proposed; 1 GiB of slack
+    for what their OS keeps) -- as a phrase ("a 96 GB machine (~86.8 GiB available; ...)")."""
+    owned = next((g for g in RAM_SIZES_GB if available_gib(g) >= above - 1.0), 0) if above else 0
+    size = next((g for g in RAM_SIZES_GB if available_gib(g) >= host_gib and g > owned), None)
+    # (other programs may hold what the run lacks: a machine of the size it seems to be would leave enough)
+    free = (f"; or {host_gib - above:.1f} GiB more free on this one" if owned and above
+            and available_gib(owned) >= host_gib else "")
+    if size is None:
+        return f"a machine with {(host_gib + OS_KEEPS_GIB) * GiB / 1e9:.0f} GB of RAM{free}"
+    return f"a {size} GB machine (~{available_gib(size):.1f} GiB available; this run needs {host_gib:.1f}{free})"
 
 
 @dataclass(frozen=True)
