@@ -215,6 +215,18 @@ def test_the_trainer_shell_loads_no_data_layer():
     assert out.strip() == "[]"
 
 
+def test_resolving_the_trainer_loads_no_data_layer():
+    """`from offload_trainer import OffloadTrainer` -- the class resolved, not only the lazy package -- loads no module
+    of our data layer (models/loading.py imported it for one asset path). (transformers' Trainer itself imports
+    `datasets` and `peft`: not ours to keep out.)"""
+    import subprocess
+
+    code = ("import sys; from offload_trainer import OffloadTrainer, OffloadTrainingArguments; "
+            "print(sorted(m for m in sys.modules if m.startswith('offload_trainer.data')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
 def test_one_vocabulary_of_switch_words(tmp_path):
     """The config's booleans and the switches' off / auto read the same words (settings.switch_word)."""
     from cli_cases import Case

@@ -757,6 +757,22 @@ class _Planted:
         return (print, ("a planted pickle ran",))
 
 
+@pytest.mark.parametrize("ext", [".jsonl", ".json"])
+def test_json_nested_too_deep(ext, tmp_path, capsys, no_model_load):
+    """A record holding a value nested 20,000 deep: the Arrow reader segfaulted (exit 139, no output). Refused with a
+    sentence (the limit: 1000 levels); brackets and escaped quotes inside strings do not count."""
+    deep = "[" * 20000 + "]" * 20000
+    fine = json.dumps({"text": '"[[[' * 2000 + "\\"})  # (4000 brackets, all inside one string)
+    data = tmp_path / f"rows{ext}"
+    data.write_text(f'{fine}\n{{"text": "a", "x": {deep}}}\n' if ext == ".jsonl" else
+                    f'[{fine}, {{"text": "a", "x": {deep}}}]')
+    expect(Case(tmp_path, f"dataset_path: {data}\n"), capsys, 2, "holds a JSON value nested more than 1000 levels deep")
+    from offload_trainer.data.sources import check_source
+
+    data.write_text(f"{fine}\n" if ext == ".jsonl" else f"[{fine}]")
+    check_source(str(data))
+
+
 def test_every_row_has_a_test():
     rows = doc_rows()
     assert len(rows) >= 20

@@ -287,3 +287,20 @@ def test_gpu_cli_builds_a_random_init_model_on_the_gpu(tmp_path, monkeypatch):
     assert cli.main(["train", CONFIG, "max_steps=2", f"output_dir={tmp_path}", "save_steps=100",
                      "torch_dtype=bfloat16"]) == 0
     assert where == [{"cuda"}]
+
+
+def test_final_output_bytes_count_the_lora_targets():
+    """The disk a LoRA run's end needs counts the adapters of the modules it targets (it summed every linear,
+    whatever lora_target_modules said), as the planner's ModelShape.lora_params does."""
+    from types import SimpleNamespace
+
+    from offload_trainer.cli.recipe import final_output_bytes
+    from offload_trainer.models import architecture_config
+    from offload_trainer.planner import ModelShape
+
+    cfg = architecture_config("llama3-8b")
+    shape = ModelShape.from_config(cfg)
+    args = dict(lora_r=16, torch_dtype="bfloat16", load_in_4bit=True)
+    qv = final_output_bytes(SimpleNamespace(**args, lora_target_modules="q_proj,v_proj"), cfg)
+    every = final_output_bytes(SimpleNamespace(**args, lora_target_modules="all-linear"), cfg)
+    assert qv == int(4 * shape.lora_params(16, "q_proj,v_proj") * 1.05) + 2**20 and qv < every / 3

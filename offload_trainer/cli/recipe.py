@@ -226,7 +226,7 @@ def final_output_bytes(model_args, model_config) -> int:
         return 0
     model = params * DTYPES[model_args.torch_dtype].itemsize
     if model_args.lora_r:
-        adapters = 4 * model_args.lora_r * shape.layers * sum(i + o for i, o in shape.linear_shapes().values())
+        adapters = 4 * shape.lora_params(model_args.lora_r, getattr(model_args, "lora_target_modules", "all-linear"))
         model = adapters + (0 if getattr(model_args, "load_in_4bit", False) else model)
     return int(model * 1.05) + 2**20
 

@@ -78,6 +78,8 @@ def check_source(name: str) -> None:
     if not os.access(path, os.R_OK):
         raise DataError(f"dataset_path: {name!r} cannot be read (permission denied)")
     _check_utf8_family(path, name)
+    if BUILDERS[data_ext(path)] == "json":
+        _check_json_depth(path, name)
     if BUILDERS[data_ext(path)] == "csv":
         _check_csv_header(path, name)
 
@@ -101,6 +103,53 @@ def _check_utf8_family(path: str, name: str) -> None:
     if enc is not None:
         raise DataError(f"dataset_path: {name!r} is {enc} text, not UTF-8: save the data as UTF-8 (e.g. iconv -f "
                         f"{enc.split()[0]} -t UTF-8 FILE > NEW)")
+
+
+MAX_JSON_DEPTH = 1000  # levels of nested lists and objects a JSON data file may hold (a record: a few)
+
+
+def _check_json_depth(path: str, name: str) -> None:
+    """A JSON value nested thousands deep (`[[[[...`) crashed the Arrow reader (a segfault: exit 139, no word). JSON
+    Lines: a line with fewer brackets than the limit cannot be nested that deep (counted in C: `bytes.count`), and
+    only a line with more is scanned; a JSON document is scanned whole, chunk by chunk."""
+    try:
+        f = _open_bytes(path)
+    except DAMAGED:
+        return
+    with f:
+        if data_ext(path) == ".jsonl":
+            depths = (_json_depth([line]) for line in f if line.count(b"[") + line.count(b"{") > MAX_JSON_DEPTH)
+        else:
+            depths = [_json_depth(iter(lambda: f.read(1 << 23), b""))]
+        if any(d > MAX_JSON_DEPTH for d in depths):
+            raise DataError(f"dataset_path: {name!r} holds a JSON value nested more than {MAX_JSON_DEPTH} levels deep "
+                            f"(lists or objects inside each other): the Arrow reader crashes on such input. Flatten it "
+                            f"(a record is a few levels deep)")
+
+
+def _json_depth(blocks) -> int:
+    """The deepest nesting of brackets outside strings in the JSON text of `blocks` (bytes), vectorised: quotes not
+    escaped by an odd run of backslashes, a string's inside from the quotes' parity. Carried from block to block: the
+    depth, whether a string is open, the parity of the backslashes a block ends with."""
+    import numpy as np
+
+    deepest = depth = in_string = carry = 0
+    for block in blocks:
+        a = np.frombuffer(block, dtype=np.uint8)
+        idx = np.arange(a.size, dtype=np.int32)
+        last_other = np.maximum.accumulate(np.where(a == 92, -1, idx))  # the last non-backslash at or before i
+        run = np.empty(a.size, dtype=np.int32)  # the backslashes right before i
+        run[0] = carry
+        run[1:] = np.where(last_other[:-1] < 0, idx[1:] + carry, idx[:-1] - last_other[:-1])
+        quote = (a == 34) & (run % 2 == 0)
+        inside = (np.cumsum(quote, dtype=np.int32) + in_string) % 2 == 1
+        step = ((a == 91) | (a == 123)).astype(np.int32) - ((a == 93) | (a == 125))
+        step[inside] = 0
+        levels = depth + np.cumsum(step, dtype=np.int32)
+        deepest = max(deepest, int(levels.max()))
+        depth, in_string = int(levels[-1]), int((in_string + np.count_nonzero(quote)) % 2)
+        carry = (carry + a.size) % 2 if last_other[-1] < 0 else (a.size - 1 - int(last_other[-1])) % 2
+    return deepest
 
 
 def _refuse_special_files(name: str, files: list[str]) -> None:

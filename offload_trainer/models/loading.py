@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from ..data.sources import builtin_asset
 from ..errors import ConfigError
 from .layerwise import pretrained_4bit_layerwise, random_init_4bit, random_init_layerwise
 from .registry import DTYPES, VISION_LM_TARGETS, architecture_config, base_model, model_class
@@ -25,6 +24,8 @@ def hub_kwargs(model_args) -> dict:
 
 def load_tokenizer(model_args):
     from transformers import AutoTokenizer
+
+    from ..data.sources import builtin_asset  # (here: the Trainer's import of models/ needs no data pipeline)
 
     path = model_args.tokenizer_name_or_path
     if path is None:

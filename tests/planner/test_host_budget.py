@@ -6,7 +6,7 @@ import pytest
 
 from offload_trainer import cli, sysinfo
 from offload_trainer.models import architecture_config
-from offload_trainer.planner import HostPlanError, machine_for, plan
+from offload_trainer.planner import HostPlanError, PlanError, machine_for, plan
 
 # what a machine of N GB leaves a run: N * 1e9 bytes less what an OS and a desktop keep (2.6 GiB)
 AVAILABLE = {32: 27.2, 64: 57.0, 128: 116.6}
@@ -113,7 +113,7 @@ def test_a_plan_that_only_the_host_refuses_is_a_host_error():
     """(the command and the Trainer refuse these even with no GPU cap; a GPU that does not fit only warns there)"""
     with pytest.raises(HostPlanError):
         plan(architecture_config("llama3-8b"), batch=4, seq=2048, gpu_memory_limit_gb=24, host_memory_gb=10)
-    with pytest.raises(Exception) as e:
+    with pytest.raises(PlanError, match="GPU: needs") as e:
         plan(architecture_config("llama3-8b"), batch=4, seq=2048, gpu_memory_limit_gb=4, host_memory_gb=10)
     assert not isinstance(e.value, HostPlanError)
 
