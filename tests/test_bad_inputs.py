@@ -150,8 +150,8 @@ def test_host_ram_too_small(tmp_path, capsys, monkeypatch, no_model_load):
             "per_device_train_batch_size: 4\nmax_grad_norm: 0\n")
     expect(Case(tmp_path, body + "gpu_memory_limit_gb: 24\n"), capsys, 2,
            "Host RAM: the plans that fit the GPU need 18.8 GiB", "but the host budget is 16.0 GiB (available on this "
-           "machine): the kernel would kill the run. Use a 32 GB machine (~27.2 GiB available; this run needs 18.8; or 2.8 GiB "
-           "more free on this one)", "or LoRA.")
+           "machine): the kernel would kill the run. Use a 32 GB machine (~27.2 GiB available; this run needs 18.8; "
+           "or 2.8 GiB more free on this one)", "or LoRA.")
     # the key: the lesser of it and what is available
     (tmp_path / "key").mkdir()
     monkeypatch.setattr(sysinfo, "host_available_gib", lambda: 120.0)
@@ -747,7 +747,8 @@ def test_planted_pickle_in_a_checkpoint(trained, tmp_path, capsys):
     torch.save({"x": _Planted()}, ckpt / "rng_state.pth")
     (ckpt / CHECKSUMS).unlink()
     write_checksums(str(ckpt))
-    err = expect(case, capsys, 2, "rng_state.pth holds", "not what a run saves there, and not loaded (nothing in it ran)",
+    err = expect(case, capsys, 2, "rng_state.pth holds",
+                 "not what a run saves there, and not loaded (nothing in it ran)",
                  argv=[f"resume_from_checkpoint={ckpt}", "max_steps=4"])
     assert "a planted pickle ran" not in err
 
@@ -771,6 +772,26 @@ def test_json_nested_too_deep(ext, tmp_path, capsys, no_model_load):
 
     data.write_text(f"{fine}\n" if ext == ".jsonl" else f"[{fine}]")
     check_source(str(data))
+
+
+@pytest.mark.parametrize("body, limit, needle", [
+    ("{{ 'x' * 2000000 }}", {}, "writes 2,000,0"),
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", {"TEMPLATE_SECONDS": 1.0},
+     "runs longer than 1 s"),
+    ("{% set big = 'x' * 1000000000 %}{{ big | length }}", {"TEMPLATE_MEMORY": 256 << 20}, "needs more than 0.25 GiB"),
+], ids=["output", "time", "memory"])
+def test_chat_template_limits(body, limit, needle, tmp_path, capsys, monkeypatch, no_model_load):
+    """A chat template is code: `'x' * 10**8` per record, a loop of 10^10 steps or a 10 GB string hung or exhausted
+    the run before any word. Rendered once on a two-message conversation in a child process, under limits (20 s,
+    1,000,000 characters, 4 GiB; lowered here to be quick)."""
+    from offload_trainer.data import formats
+
+    for key, value in limit.items():
+        monkeypatch.setattr(formats, key, value)
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}" + body)
+    expect(Case(tmp_path, f"dataset_path: builtin-sft\nchat_template: {template}\n"), capsys, 2,
+           "chat_template: rendering a two-message conversation", needle)
 
 
 def test_every_row_has_a_test():

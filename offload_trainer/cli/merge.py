@@ -27,7 +27,8 @@ SKIP = {"adapter_config.json", "adapter_model.safetensors", "adapter_model.bin",
 # what a LoRA adapter file holds per module: the pair, and DoRA's magnitude (use_dora)
 _PARTS = {".lora_A.weight": 0, ".lora_B.weight": 1, ".lora_magnitude_vector": 2}
 # adapter_config keys of peft features this merge does not compute: each refused, with the way that does
-_UNSUPPORTED = ("lora_bias", "trainable_token_indices", "layer_replication", "target_parameters", "alora_invocation_tokens")
+_UNSUPPORTED = ("lora_bias", "trainable_token_indices", "layer_replication", "target_parameters",
+                "alora_invocation_tokens")
 
 
 class Adapters:
@@ -80,7 +81,8 @@ def lora_pairs(adapter_dir: str) -> Adapters:
                          f"merge them with peft's merge_and_unload() (it loads the whole base)")
     from peft.utils.other import get_pattern_key  # (peft's own rule for which pattern names a module)
 
-    alpha, ranks, alphas = cfg.get("lora_alpha", cfg["r"]), cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
+    alpha = cfg.get("lora_alpha", cfg["r"])
+    ranks, alphas = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
     found: dict[str, list] = {}
     saved = {}
     for key, t in load_file(weights).items():
@@ -233,7 +235,8 @@ def _earlier_merge_files(out_dir: str) -> set[str]:
         return set()
     recorded = manifest.read(out_dir)
     names = recorded if recorded is not None else {n for n in os.listdir(out_dir) if WEIGHT_NAME.match(n)}
-    return {n for n in names if os.path.isfile(os.path.join(out_dir, n)) and not os.path.islink(os.path.join(out_dir, n))}
+    return {n for n in names if os.path.isfile(os.path.join(out_dir, n))
+            and not os.path.islink(os.path.join(out_dir, n))}
 
 
 def _base_file(directory: str, name: str) -> str:

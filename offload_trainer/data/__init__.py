@@ -13,8 +13,8 @@ import os
 import torch
 
 from ..errors import DataError
-from .formats import (IGNORE_INDEX, ROW, Tokenize, detect_format, has_generation_markers, say_untrained,
-                      tokenize_batch)
+from .formats import (IGNORE_INDEX, ROW, Tokenize, check_template_limits, detect_format, has_generation_markers,
+                      say_untrained, tokenize_batch)
 from .packing import STATS, STRATEGIES, PaddingCollator, pack_batch, truncate_batch
 from .sources import BUILTIN, cause_of, check_source, load, not_utf8, resolve
 from .vision import ImageTextCollator, ImageTextRecords, RandomImageText, build_processor
@@ -87,6 +87,8 @@ def build_datasets(data_args, tokenizer, *, vocab_size: int, seed: int = 0, main
         train_raw, eval_raw = _splits(data_args, seed)
         name = data_args.dataset_path
         fmt = detect_format(_columns(train_raw), data_args.dataset_text_field, f"dataset {name!r}")
+        if fmt in ("messages", "prompt_completion"):
+            check_template_limits(tokenizer)
         spec = Tokenize(fmt=fmt, text_field=data_args.dataset_text_field,
                         assistant_only=data_args.assistant_only_loss,
                         completion_only=data_args.completion_only_loss is not False,

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import logging
 from dataclasses import dataclass
@@ -221,6 +222,50 @@ def _need_template(tok, where: str) -> None:
     if not getattr(tok, "chat_template", None):
         raise DataError(f"{where}: chat 'messages' need a tokenizer with a chat template; set chat_template, or "
                         f"tokenizer_name_or_path to one that has it, or convert to prompt/completion")
+
+
+# A chat template is code: rendered once on a small conversation before any record, in a child process held to
+# these limits (a template doing `'x' * 10**8` per record, or looping, hung or exhausted the run before any word)
+TEMPLATE_SECONDS, TEMPLATE_CHARS, TEMPLATE_MEMORY = 20.0, 1_000_000, 4 << 30
+_PROBE = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}]
+
+
+def check_template_limits(tok) -> None:
+    """DataError when the tokenizer's chat template, rendering a two-message conversation, runs longer than
+    TEMPLATE_SECONDS, writes more than TEMPLATE_CHARS characters, or needs more than TEMPLATE_MEMORY bytes. A
+    template that fails on the probe for its own reasons (a role it refuses) is left to the records to show."""
+    import multiprocessing as mp
+
+    if not getattr(tok, "chat_template", None) or os.name != "posix":
+        return
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_render_probe, args=(tok, send), daemon=True)
+    child.start()
+    send.close()
+    got = recv.recv() if recv.poll(TEMPLATE_SECONDS) else "time"
+    child.kill()
+    child.join()
+    if got in ("time", "memory") or (isinstance(got, int) and got > TEMPLATE_CHARS):
+        what = (f"runs longer than {TEMPLATE_SECONDS:g} s" if got == "time" else
+                f"needs more than {TEMPLATE_MEMORY / 2**30:g} GiB" if got == "memory" else f"writes {got:,} characters")
+        raise DataError(f"chat_template: rendering a two-message conversation {what} (the limits: "
+                        f"{TEMPLATE_SECONDS:g} s, {TEMPLATE_CHARS:,} characters, {TEMPLATE_MEMORY / 2**30:g} GiB): "
+                        f"every record renders through it. Fix the template (a model's own renders in milliseconds)")
+
+
+def _render_probe(tok, send) -> None:
+    import resource
+
+    with open("/proc/self/statm") as f:  # (pages of address space the fork already has: CUDA maps a lot)
+        mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + TEMPLATE_MEMORY, resource.RLIM_INFINITY))
+    try:
+        send.send(len(tok.apply_chat_template(_PROBE, tokenize=False)))
+    except MemoryError:
+        send.send("memory")
+    except Exception:  # noqa: BLE001 (the template's own error: the records will show it, with their row)
+        send.send(0)
 
 
 def _eos(tok) -> list[int]:

@@ -232,7 +232,8 @@ def _check_archive(file: str, path: str) -> None:
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
         what = f"a call of {found.group(1)}" if found else "objects a weights-only load refuses"
         raise CheckpointError(f"checkpoint {path!r}: {os.path.basename(file)} holds {what}: not what a run saves "
-                              f"there, and not loaded (nothing in it ran). Resume from a checkpoint you trust.") from None
+                              f"there, and not loaded (nothing in it ran). Resume from a checkpoint you trust."
+                              ) from None
     except (RuntimeError, EOFError, ValueError) as e:
         raise CheckpointError(f"checkpoint {path!r} is damaged: {os.path.basename(file)} cannot be loaded "
                               f"({str(e).splitlines()[0][:160]}). Resume from an earlier checkpoint.") from None

@@ -286,7 +286,8 @@ def staged_save(output_dir: str, what: str):
         if why:
             raise StorageError(f"{why} while writing {what} to {output_dir!r} "
                                f"({free_bytes(output_dir) / 2**30:.2f} GiB free); nothing of it was kept. Free some "
-                               f"space (or raise the limit) and save again (checkpoints, if any, are intact).") from None
+                               f"space (or raise the limit) and save again (checkpoints, if any, are intact)."
+                               ) from None
         raise
     finally:
         remove_staging(staging)
