@@ -150,8 +150,8 @@ def check_merge_target(adapter_dir: str, base_dir: str, out_dir: str) -> None:
                              f"e.g. --out {os.path.join(adapter_dir, 'merged')}")
     if not os.path.isdir(out_dir) or not os.listdir(out_dir):
         return
-    names = {n for n in os.listdir(out_dir) if not n.startswith(STAGING_PREFIX)}
-    if not names:  # (only what a merge cut short left staging: the next save removes it)
+    names = {n for n in os.listdir(out_dir) if not n.startswith(STAGING_PREFIX) and n != manifest.MANIFEST_NAME}
+    if not names:  # (only what a merge cut short left: staging, the record it began)
         return
     if names & {"trainer_state.json", "adapter_config.json"} or any(n.startswith("checkpoint-") for n in names):
         raise MergeError(f"--out {out_dir!r} holds a training run (trainer_state.json, checkpoints or adapters): "
@@ -189,7 +189,8 @@ def _merge_lora(adapter_dir: str, base_dir: str, out_dir: str) -> str:
     earlier = _earlier_merge_files(out_dir)
     adapters = lora_pairs(adapter_dir)
     left, saved = dict(adapters.pairs), dict(adapters.saved)
-    with staged_save(out_dir, "the merged model") as staging:
+    # (each file it writes is recorded: a re-merge removes only those)
+    with manifest.kept(out_dir), staged_save(out_dir, "the merged model") as staging:
         for shard in base_shards(base_dir):
             tensors = load_file(_base_file(base_dir, shard))
             for name in [n for n in tensors if n in left or n in saved]:

@@ -18,7 +18,7 @@ from ..trainer import manifest
 from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save
 from ..trainer.checkpoint import newest_complete_checkpoint
 from .config import load_config, parse_args
-from .earlier_run import (check_earlier_run, configured_output_dir, earlier_run_set_aside, finished_step,
+from .earlier_run import (check_earlier_run, configured_output_dir, earlier_run_set_aside, finished_step, ours,
                           refuse_busy_output_dir)
 
 logger = logging.getLogger("offload_trainer")
@@ -107,6 +107,7 @@ def _train(config: str, overrides: list[str]) -> str:
                 logger.info("plan:\n%s", plan.table())
         if main_rank:
             check_space(out, final_output_bytes(model_args, model_config), "the trained model")
+            stack.enter_context(manifest.kept(out, ours(out)))  # (each name the run writes is recorded)
         trainer, tokenizer, eval_ds = build_trainer(model_args, data_args, training_args, settings, model_config, plan)
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         if eval_ds is not None:
@@ -341,7 +342,7 @@ def write_outputs(trainer, tokenizer, model_args) -> None:
             # process writes it: under torchrun every rank would share one staging directory)
             merged = os.path.join(args.output_dir, "merged")
             manifest.record(args.output_dir, ["merged"])  # (before it exists: ours, as each file in it)
-            with staged_save(merged, "the merged model") as staging:
+            with manifest.kept(merged), staged_save(merged, "the merged model") as staging:
                 trainer.model.merge_and_unload().save_pretrained(staging, max_shard_size=SAVE_SHARD_BYTES)
                 tokenizer.save_pretrained(staging)
     finally:

@@ -2,7 +2,12 @@
 files and directories a save published there, added before each is renamed into place. overwrite_output_dir,
 checkpoint rotation and a merge's re-write replace or remove only recorded names; anything else there is the user's
 and is left alone (cli/earlier_run.py, staging.rotate). A directory without a record was written by an earlier
-version (or by none of ours): None, and the callers read it as before.
+version, by the Python class alone (a drop-in for the Trainer: it adds no file of its own) or by none of ours: None,
+and the callers read it as the Trainer would.
+
+The command keeps a record in its output_dir (`kept`, around the run), and `merge` in its --out: the file is
+written with the first name a save adds there (`record`), so a run refused before it saves leaves none, and from then
+on every save adds its names.
 
 The record is read and rewritten under an advisory lock on the directory itself (`report` may publish its plots while
 a run publishes a checkpoint), written to a temporary name and renamed over the old one: never through a link planted
@@ -37,16 +42,39 @@ def read(directory: str) -> set[str] | None:
     return set(names)
 
 
+_KEPT: dict[str, set[str]] = {}  # realpath -> the names already ours there, until the record's first write
+
+
+@contextlib.contextmanager
+def kept(directory: str, names=()):
+    """Within: a record is kept in `directory` (`names`: what is ours there already, written with the first name a
+    save records); one that exists is extended either way."""
+    key = os.path.realpath(directory)
+    _KEPT[key] = _entries(names)
+    try:
+        yield
+    finally:
+        _KEPT.pop(key, None)
+
+
 def record(directory: str, names) -> None:
-    """Add `names` (entries of `directory`, not paths) to its record, creating it."""
-    names = {n for n in names if n and n != MANIFEST_NAME and os.sep not in n}
+    """Add `names` (entries of `directory`, not paths) to its record: one that exists, or one `kept` asks for."""
+    names = _entries(names)
     if not names:
         return
     with _locked(directory):
-        known = read(directory) or set()
-        if names <= known:
+        known = read(directory)
+        if known is None:
+            known = _KEPT.get(os.path.realpath(directory))
+            if known is None:
+                return  # (the Python class alone: the Trainer's own files, nothing added)
+        elif names <= known:
             return
         _write(directory, known | names)
+
+
+def _entries(names) -> set[str]:
+    return {n for n in names if n and n != MANIFEST_NAME and os.sep not in n}
 
 
 def forget(directory: str, names) -> None:
