@@ -131,6 +131,7 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
     into place when complete; a full disk becomes StorageError, the previous checkpoint intact."""
     run_dir = trainer._get_output_dir(trial)
     name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    run.synchronize()  # (the updates in flight land first: the weights checked are those the save writes)
     guards.refuse_nonfinite_weights(trainer.model, trainer.state.global_step, name, run_dir)
     staging = os.path.join(run_dir, STAGING_PREFIX + name)
     main = trainer.args.should_save  # several ranks write into one staging dir; the main one publishes it
