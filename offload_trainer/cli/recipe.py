@@ -349,6 +349,7 @@ def write_outputs(trainer, tokenizer, model_args) -> None:
         args.push_to_hub = push
     if push:
         trainer.push_to_hub(commit_message="End of training")
+        manifest.record(args.output_dir, ["README.md"])  # (the Trainer writes its model card there to push it)
     if args.should_save:  # (the main process: it wrote trainer_state.json)
         write_plots(args.output_dir)
 

@@ -174,8 +174,9 @@ def save_checkpoint(trainer, run: RunState, model, trial, save) -> None:
 def rotate(run_dir: str, limit: int | None, best: str | None) -> None:
     """save_total_limit: the oldest checkpoints removed, the newest and the best kept -- the Trainer's
     `rotate_checkpoints`, but over our own only: `checkpoint-N` directories the record lists (manifest.py; without a
-    record, written by an earlier version: every `checkpoint-N`). Its glob takes any `checkpoint-*` directory (a
-    user's `checkpoint-notes/`), and a link planted at a checkpoint's name is removed, never followed."""
+    record -- the class alone, or an earlier version's run -- every `checkpoint-N`). Its glob takes any
+    `checkpoint-*` directory (a user's `checkpoint-notes/`), and a link planted at a checkpoint's name is removed,
+    never followed."""
     if not limit or limit <= 0:
         return
     recorded = manifest.read(run_dir)
