@@ -91,11 +91,12 @@ def gradients_offloaded(offload: bool, *, asked: bool | None, clips: bool, accum
 
 
 def parse_device_states(value: Any) -> str | float:
-    """`offload_device_states` ('auto', or GiB; 'off' / None: 0) as the planner takes it."""
+    """`offload_device_states` ('auto', or GiB; 'off' / None: 0) as the planner takes it. `on` asks for auto, as with
+    layer_swap."""
     text = str(value).strip().lower()
     if value is None or value is False or text in OFF_WORDS:
         return 0.0
-    if text == "auto":
+    if value is True or text in _AUTO:
         return "auto"
     try:
         gib = float(text)

@@ -241,3 +241,28 @@ def test_one_vocabulary_of_switch_words(tmp_path):
     config = str(Case(tmp_path).config)
     for word in (*ON_WORDS, *OFF_WORDS[:3]):  # a bool key given as a word: the same reading
         assert load_config(config, [f"bf16='{word.upper()}'"])["bf16"] is switch_word(word)
+
+
+def test_every_switch_reads_every_word(tmp_path):
+    """One vocabulary for every switch of ours: each on word, each off word and `auto`, through a config override.
+    A switch with a planner's choice reads `on` as auto (layer_swap, fold_accumulation, offload_device_states: it
+    raised for the last); an on / off switch reads `auto` as unset, the planner's or the run's choice (it was a type
+    error)."""
+    from cli_cases import Case
+    from offload_trainer.cli.config import auto_switches, load_config
+    from offload_trainer.settings import OFF_WORDS, ON_WORDS, parse_device_states, parse_fold, parse_layer_swap
+
+    config = str(Case(tmp_path).config)
+    counted = {"layer_swap": (parse_layer_swap, None, False), "fold_accumulation": (parse_fold, None, 1),
+               "offload_device_states": (parse_device_states, "auto", 0.0)}
+    switches = sorted(auto_switches())
+    assert {"activation_offload", "tiled_mlp", "tiled_layers", "speculative_clipping", "offload_optimizer"} <= set(
+        switches)
+    for word in (*ON_WORDS, *OFF_WORDS[:3], "auto"):
+        for spelled in (word, word.upper()):
+            want = True if word in ON_WORDS else None if word == "auto" else False
+            for key in switches:
+                assert load_config(config, [f"{key}='{spelled}'"])[key] is want, (key, spelled)
+            for key, (parse, auto, off) in counted.items():
+                value = load_config(config, [f"{key}='{spelled}'"])[key]
+                assert parse(value) == (off if want is False else auto), (key, spelled)

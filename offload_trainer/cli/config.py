@@ -48,6 +48,21 @@ def valid_fields() -> dict[str, dataclasses.Field]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def auto_switches() -> frozenset[str]:
+    """Our on / off switches whose unset value (None) lets the planner or the run decide: `auto` names that value,
+    as it does for layer_swap, fold_accumulation and offload_device_states. (The Trainer's own `bool | None` fields
+    keep their meaning: `auto` is no word of theirs.)"""
+    from transformers import TrainingArguments
+
+    from ..trainer.args import OffloadTrainingArguments
+
+    theirs = {f.name for f in dataclasses.fields(TrainingArguments)}
+    hints = typing.get_type_hints(OffloadTrainingArguments)
+    return frozenset(k for k, tp in hints.items() if k not in theirs and _type_ok(None, tp) and _type_ok(True, tp)
+                     and not _type_ok("text", tp))
+
+
 def _type_ok(value: Any, tp: Any) -> bool:
     if tp is Any or tp is object:
         return True
@@ -133,6 +148,8 @@ def check_keys_and_types(cfg: dict[str, Any], source: str) -> None:
             with contextlib.suppress(ValueError):
                 cfg[key] = value = float(value)
         word = switch_word(value) if isinstance(value, str) else None
+        if isinstance(value, str) and value.strip().lower() == "auto" and key in auto_switches():
+            cfg[key] = value = None  # activation_offload: auto -- None is the planner's choice (settings.py)
         if word is not None and not _type_ok(value, tp) and _type_ok(True, tp):
             cfg[key] = value = word  # bf16: yes (settings' vocabulary of on / off words)
         if isinstance(value, bool) and not _type_ok(value, tp) and _type_ok("text", tp):
