@@ -45,7 +45,7 @@ def refusal(checked, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machi
                         + f" (about {tokens} tokens; keep the tokens per step with gradient_accumulation_steps)"
                         + ("" if best.activation_offload else "; or activation_offload: true"))
     host_ok = host_gb is None or host_gb <= 0
-    margin_only = [(p, u) for p, u in checked if u * 1.0 < p.gpu_peak_gib * GiB <= gpu_usable
+    margin_only = [(p, u) for p, u in checked if u < p.gpu_peak_gib * GiB <= gpu_usable
                    and (host_ok or p.host_peak_gib <= host_gb)]
     if margin_only:  # both budgets hold; auto's margin for its first measured steps does not
         p, u = max(margin_only, key=lambda pu: pu[0].resident_layers)

@@ -318,8 +318,7 @@ def _check_same_model(saved: dict[str, tuple], model, path: str) -> None:
             f"{'trains LoRA adapters' if lora_here else 'is a full finetune'}: resume it "
             f"{'with the lora_r it trained with' if saved_lora else 'without lora_r'}, or start this run in another "
             f"output_dir without resume_from_checkpoint.")
-    inner = model.get_base_model() if hasattr(model, "get_base_model") and not any(
-        "lora" in k for k in saved) else model
+    inner = model  # (a LoRA model against adapters: names as peft saves them, both sides)
     # Parameters only: what the optimizer's states belong to must match; buffers are the model's own business (a
     # model may grow one and accept it in its load_state_dict), left to the load itself.
     ours = {k: tuple(v.shape) for k, v in inner.named_parameters()}
@@ -332,7 +331,7 @@ def _check_same_model(saved: dict[str, tuple], model, path: str) -> None:
     if saved and not common:
         raise CheckpointError(f"checkpoint {path!r} is from a different model: none of its {len(saved)} tensor "
                               f"names exist here (e.g. {next(iter(saved))!r}).")
-    if any("lora" in k for k in saved):  # (adapters: their names are peft's business)
+    if saved_lora:  # (adapters: their names are peft's business)
         return
     buffers = {k for k, _ in inner.named_buffers()}  # (a buffer is the model's own business, see above)
     only_saved = sorted(k for k in set(saved) - set(ours) - buffers if k.endswith((".weight", ".bias")))
@@ -347,13 +346,21 @@ def _check_same_model(saved: dict[str, tuple], model, path: str) -> None:
 
 def newest_complete_checkpoint(run_dir: str, model=None) -> str | None:
     """The checkpoint-N with the largest N that passes `check_checkpoint` (damaged ones are skipped, logged)."""
+    return newest_checkpoint_and_why(run_dir, model)[0]
+
+
+def newest_checkpoint_and_why(run_dir: str, model=None) -> tuple[str | None, CheckpointError | None]:
+    """`newest_complete_checkpoint`, and why the newest checkpoint was skipped (None: it was not, or there is
+    none)."""
     if not os.path.isdir(run_dir):
-        return None
+        return None, None
+    why = None
     for name in reversed(checkpoint_steps(run_dir)):
         path = os.path.join(run_dir, name)
         try:
             check_checkpoint(path, model)
-            return path
+            return path, why
         except CheckpointError as e:
             logger.warning("skipping %s: %s", name, e)
-    return None
+            why = why or e
+    return None, why

@@ -157,14 +157,20 @@ def check_space(path: str, need_bytes: int, what: str) -> None:
                            f"{free / 2**30:.2f} GiB are free. Free some space or point output_dir elsewhere.")
 
 
+def _chain(exc: BaseException | None):
+    """`exc` and the exceptions it was raised from or during, outermost first."""
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def disk_full(exc: BaseException, path: str) -> bool:
     """Whether `exc`, raised while writing under `path`, means the disk is full."""
-    while exc is not None:
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
             return True
-        if any(w in str(exc).lower() for w in _FULL_WORDS):
+        if any(w in str(e).lower() for w in _FULL_WORDS):
             return True
-        exc = exc.__cause__ or exc.__context__
     with contextlib.suppress(OSError):
         return free_bytes(path) < 2**20  # a writer's own wording: what the disk says
     return False
@@ -173,11 +179,9 @@ def disk_full(exc: BaseException, path: str) -> bool:
 def storage_limit(exc: BaseException, path: str) -> str | None:
     """What stopped a writer under `path`, said for the user: a full disk, or the shell's file-size limit (`ulimit
     -f`: the write fails with EFBIG, Python ignoring the SIGXFSZ that would kill it); None for anything else."""
-    e = exc
-    while e is not None:
-        if isinstance(e, OSError) and e.errno == errno.EFBIG or "file too large" in str(e).lower():
-            return "over the file-size limit (ulimit -f)"
-        e = e.__cause__ or e.__context__
+    if any(isinstance(e, OSError) and e.errno == errno.EFBIG or "file too large" in str(e).lower()
+           for e in _chain(exc)):
+        return "over the file-size limit (ulimit -f)"
     return "out of disk space" if disk_full(exc, path) else None
 
 

@@ -15,7 +15,8 @@ from ..engine.sizes import state_bytes
 from ..errors import CheckpointError, StorageError
 from . import guards, manifest, resume_changes, run_history
 from .checkpoint import (check_checkpoint, checkpoint_steps, clean_staging, load_optimizer_states,
-                         newest_complete_checkpoint, optimizer_shard_name, write_checksums)
+                         newest_checkpoint_and_why, newest_complete_checkpoint, optimizer_shard_name,
+                         write_checksums)
 from .outputs import STAGING_PREFIX, check_space, free_bytes, publish, remove_staging, storage_limit
 from .run_state import RunState
 from .wiring import row_tokens
@@ -31,16 +32,12 @@ def resolve_resume(trainer, run: RunState, resume):
         clean_staging(trainer.args.output_dir)  # what a killed save left behind
     trainer.accelerator.wait_for_everyone()
     if resume is True:
-        found = newest_complete_checkpoint(trainer.args.output_dir, trainer.model)
+        found, why = newest_checkpoint_and_why(trainer.args.output_dir, trainer.model)
         if found is None:  # the Trainer's own words first: scripts match on them
-            names = list(checkpoint_steps(trainer.args.output_dir)) if os.path.isdir(trainer.args.output_dir) else []
-            if names:  # (each was skipped, logged: the newest one's reason is the answer)
-                try:
-                    check_checkpoint(os.path.join(trainer.args.output_dir, names[-1]), trainer.model)
-                except CheckpointError as e:
-                    raise CheckpointError(f"No valid checkpoint found in output directory "
-                                          f"({trainer.args.output_dir}): none of {', '.join(names)} can be resumed "
-                                          f"here; the newest: {e}") from None
+            if why is not None:  # (each was skipped, logged: the newest one's reason is the answer)
+                names = ", ".join(checkpoint_steps(trainer.args.output_dir))
+                raise CheckpointError(f"No valid checkpoint found in output directory ({trainer.args.output_dir}): "
+                                      f"none of {names} can be resumed here; the newest: {why}")
             raise CheckpointError(f"No valid checkpoint found in output directory ({trainer.args.output_dir}): "
                                   f"resume_from_checkpoint: true, but it holds no complete checkpoint-N "
                                   f"directory. Start without resume_from_checkpoint.")
