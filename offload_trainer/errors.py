@@ -70,6 +70,26 @@ def stop_signals_call(handler, *, with_sigint: bool = True, children_die: bool =
             _signal.signal(s, h)
 
 
+@_contextlib.contextmanager
+def stop_signals_deferred():
+    """Within: a stop signal is held, then sent again on the way out, to the handlers of before. For the first import
+    of torch and transformers: their modules run Python called from C++ (pybind11), where the exception a handler
+    raises cannot unwind -- `terminate called after throwing an instance of 'pybind11::error_already_set'`, SIGABRT,
+    no sentence (a SIGTERM a second into a run). Outside the main thread, nothing changes."""
+    if _threading.current_thread() is not _threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    old = {s: _signal.signal(s, lambda signum, frame: held.append(signum)) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            _signal.signal(s, h)
+        if held:
+            _os.kill(_os.getpid(), held[0])
+
+
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C / SIGTERM stopped training after a clean step; `checkpoint` is the newest complete one (or None)."""
 

@@ -728,3 +728,22 @@ def test_a_signal_names_the_step_it_arrives_in(tmp_path, capsys):
     assert rc == 128 + signal.SIGTERM, err
     assert "SIGTERM received: finishing step 3, then saving a checkpoint" in err
     assert "stopped after step 3" in err
+
+
+def test_a_stop_signal_during_the_stacks_import_waits_for_it(tmp_path):
+    """A SIGTERM while torch and transformers first import (a second into a run) was answered inside their modules'
+    Python, called from C++: the handler's exception could not unwind there (`terminate called after throwing an
+    instance of 'pybind11::error_already_set'`, SIGABRT, no sentence). It is held through those imports and answered
+    right after them."""
+    import signal
+
+    from offload_trainer.errors import stop_signals_call, stop_signals_deferred
+
+    seen = []
+    with stop_signals_call(lambda signum, frame: seen.append(signum)):
+        with stop_signals_deferred():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert seen == []  # (held)
+        time.sleep(0.05)
+        assert seen == [signal.SIGTERM]  # (answered on the way out, by the handler of before)

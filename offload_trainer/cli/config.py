@@ -20,14 +20,15 @@ from typing import Any
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, stop_signals_deferred
 from ..limits import check_values
 from ..settings import switch_word
 from .run_args import DataArguments, ModelArguments
 
 
 def _arg_classes():
-    from ..trainer.args import OffloadTrainingArguments  # (imports transformers: a refused config answers before)
+    with stop_signals_deferred():  # (a stop signal during these imports is answered once they are done)
+        from ..trainer.args import OffloadTrainingArguments  # (imports transformers: a refused config answers before)
 
     return ModelArguments, DataArguments, OffloadTrainingArguments
 
