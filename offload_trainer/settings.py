@@ -6,7 +6,6 @@ read the constants without importing transformers.
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,11 +54,6 @@ def parse_layer_swap(value: Any) -> bool | int | None:
     return int(text)
 
 
-def layer_swap_text(value: bool | int | None) -> str:
-    """The argument's spelling of a parsed `layer_swap` ('off', 'auto' or the count)."""
-    return "off" if value is False else "auto" if value is None else str(value)
-
-
 def parse_fold(value: Any) -> int | None:
     """`fold_accumulation` as the planner takes it: None (auto: the planner chooses how many of a step's micro-batches
     run as one), 1 (off: each runs as the Trainer hands it) or that many. `on` asks for auto, as with layer_swap."""
@@ -106,25 +100,6 @@ def parse_device_states(value: Any) -> str | float:
         raise ValueError(f"offload_device_states={text!r}: use auto, off, or a number of GiB of optimizer states to "
                          f"keep on the GPU")
     return gib
-
-
-def device_states_text(value: str | float) -> str:
-    return value if value == "auto" else "off" if not value else f"{value:g}"
-
-
-_KEPT: dict = {}  # id(arguments) -> (a weak reference to them, the values read, their settings): OffloadSettings.of
-_MISSING = object()
-
-
-class _Reads:
-    """The arguments, noting each attribute read (the values `OffloadSettings.of` watches for a change)."""
-
-    def __init__(self, args) -> None:
-        self.args, self.names = args, set()
-
-    def __getattr__(self, name: str):
-        self.names.add(name)
-        return getattr(self.args, name)
 
 
 @dataclass(frozen=True)
@@ -200,26 +175,11 @@ class OffloadSettings:
                              "activation_checkpointing: true as well")
 
     @classmethod
-    def of(cls, args) -> "OffloadSettings":
-        """`from_args(args)`, resolved once per arguments object, and again only where a value it read changed since
-        (a field set after the arguments were built). The command's plan, the Trainer it makes and the wiring all
-        read this one object. (Kept beside the arguments, not on them: a plain `TrainingArguments` pickled into a
-        checkpoint must not need this package to load.)"""
-        kept = _KEPT.get(id(args))
-        if kept is None or kept[0]() is not args or any(getattr(args, k, _MISSING) != v for k, v in kept[1].items()):
-            reads = _Reads(args)
-            settings = cls.from_args(reads)
-            key = id(args)
-            try:
-                ref = weakref.ref(args, lambda _, key=key: _KEPT.pop(key, None))
-            except TypeError:  # (arguments that take no weak reference, a SimpleNamespace: resolved each time)
-                return settings
-            kept = _KEPT[key] = (ref, {k: getattr(args, k, _MISSING) for k in reads.names}, settings)
-        return kept[2]
-
-    @classmethod
     def from_args(cls, args) -> "OffloadSettings":
-        """From `OffloadTrainingArguments` (or TRL's config with our fields), or from a plain `TrainingArguments`,
+        """The one function that makes a run's settings (each switch parsed here, once), held by whoever runs the
+        training and handed down from there: the Trainer makes them in its constructor (or is handed the command's),
+        the arguments make a throwaway one as they are built, to check their values. No copy is kept anywhere.
+        From `OffloadTrainingArguments` (or TRL's config with our fields), or from a plain `TrainingArguments`,
         which gets the defaults: non-finite steps skipped but the run never stopped for them (the Trainer's own
         would apply them), no interrupt handling beyond a clean stop."""
         def get(name: str, default):  # (a field the arguments lack -- a plain TrainingArguments -- has its default)

@@ -181,27 +181,54 @@ def test_the_defaults_check_catches_a_second_default(line, tmp_path, monkeypatch
         test_defaults_and_bounds_are_written_once()
 
 
-def test_settings_are_resolved_once_per_train(tmp_path, monkeypatch):
-    """One `OffloadSettings` per run: the arguments resolve them, and the command's plan, the Trainer it makes and
-    the wiring read that one (they were resolved three times); a field set afterwards resolves them again."""
-    from cli_cases import Case, log_to_current_stderr
-    from offload_trainer import cli
-    from offload_trainer.settings import OffloadSettings
+def _count_settings_made(monkeypatch) -> tuple[list, list]:
+    """(callers of OffloadSettings.from_args, switch parses), recorded from here on."""
+    import sys as _sys
 
-    made = []
-    real = OffloadSettings.from_args.__func__
-    monkeypatch.setattr(OffloadSettings, "from_args",
-                        classmethod(lambda cls, args: made.append(args) or real(cls, args)))
+    from offload_trainer import settings as S
+
+    made, parsed = [], []
+    real = S.OffloadSettings.from_args.__func__
+    monkeypatch.setattr(S.OffloadSettings, "from_args",
+                        classmethod(lambda cls, args: made.append(_sys._getframe(1).f_code.co_name) or real(cls, args)))
+    for name in ("parse_layer_swap", "parse_device_states", "parse_fold"):
+        fn = getattr(S, name)
+        monkeypatch.setattr(S, name, lambda v, fn=fn, name=name: parsed.append(name) or fn(v))
+    return made, parsed
+
+
+def test_settings_are_made_once_per_run_and_handed_down(tmp_path, monkeypatch):
+    """One `OffloadSettings` per run, made by one function and handed down: through the command, the arguments make
+    a throwaway one as they are built (their check, as TrainingArguments checks its fields) and the command makes
+    the run's, plans with it and hands it to the Trainer, which makes none; through the class, the Trainer makes it
+    once in its constructor and nothing asks again during train(). Each switch is parsed once per value made, and
+    no module keeps a copy (the settings module holds no mutable global). Breaks that fail it: the Trainer
+    ignoring `offload_settings` (a third make), a getter on the arguments parsing layer_swap on each read (more
+    parses than makes), a cache dict in settings.py."""
+    from cli_cases import Case, log_to_current_stderr
+    from helpers import tiny_setup
+    from offload_trainer import OffloadTrainer, cli
+    from offload_trainer import settings as S
+    from transformers import TrainingArguments
+
+    made, parsed = _count_settings_made(monkeypatch)
     case = Case(tmp_path)
     log_to_current_stderr()
     assert cli.main(["train", str(case.config)]) == 0
-    assert len(made) == 1
-    from offload_trainer import OffloadTrainingArguments
+    assert made == ["__post_init__", "run_settings"], made
+    assert sorted(parsed) == sorted(["parse_layer_swap", "parse_device_states", "parse_fold"] * 2), parsed
 
-    args = OffloadTrainingArguments(output_dir=str(tmp_path / "o"), report_to="none", max_grad_norm=1.0)
-    assert OffloadSettings.of(args) is OffloadSettings.of(args) and OffloadSettings.of(args).max_grad_norm == 1.0
-    args.max_grad_norm = 0.5
-    assert OffloadSettings.of(args).max_grad_norm == 0.5
+    del made[:], parsed[:]
+    model, tok, train = tiny_setup()
+    args = TrainingArguments(output_dir=str(tmp_path / "class"), max_steps=1, per_device_train_batch_size=2,
+                             save_strategy="no", report_to="none")
+    trainer = OffloadTrainer(model=model, args=args, train_dataset=train)
+    trainer.train()
+    assert made == ["make_settings"] and len(parsed) == 3, (made, parsed)
+
+    kept = [name for name, value in vars(S).items() if isinstance(value, (dict, list, set)) and not name.isupper()
+            and not name.startswith("__")]
+    assert kept == [], f"settings.py keeps state: {kept}"
 
 
 def test_the_trainer_shell_loads_no_data_layer():

@@ -461,6 +461,9 @@ def test_small_trainable_sets_and_cpus_keep_the_trainers_adamw():
     from offload_trainer.trainer.args import streams_optimizer
     from offload_trainer.cli.run_args import ModelArguments
     from offload_trainer.models import load_model
+    from offload_trainer.settings import OffloadSettings
+
+    settings = OffloadSettings.from_args
 
     lora = load_model(ModelArguments(model_config="tiny-llama", torch_dtype="float32", lora_r=4))
     full = load_model(ModelArguments(model_config="tiny-llama", torch_dtype="float32"))
@@ -469,12 +472,12 @@ def test_small_trainable_sets_and_cpus_keep_the_trainers_adamw():
         return SimpleNamespace(offload_optimizer=asked, optim="adamw_torch_fused", optim_args=None,
                                device=torch.device(device))
 
-    streams, why = streams_optimizer(args("cuda"), model=lora)
+    streams, why = streams_optimizer(args("cuda"), settings(args("cuda")), model=lora)
     assert not streams and "of 1 M parameters train (LoRA or adapters)" in why and "stay on the GPU" in why
-    assert streams_optimizer(args("cuda"), model=full) == (True, "")
-    streams, why = streams_optimizer(args("cpu"), model=full)
+    assert streams_optimizer(args("cuda"), settings(args("cuda")), model=full) == (True, "")
+    streams, why = streams_optimizer(args("cpu"), settings(args("cpu")), model=full)
     assert not streams and why.startswith("no GPU here")
-    assert streams_optimizer(args("cpu", asked=True), model=lora) == (True, "")
+    assert streams_optimizer(args("cpu", asked=True), settings(args("cpu", asked=True)), model=lora) == (True, "")
 
 
 def test_on_a_cpu_the_log_line_says_what_applies_and_no_gpu_plan_is_logged(tmp_path, caplog):

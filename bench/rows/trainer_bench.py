@@ -101,7 +101,7 @@ def stock_trainer_class(base):
     from offload_trainer.trainer.run_state import LogCounters, RunState
 
     class StockTrainer(base):
-        def __init__(self, *args, offload_plan=None, **kwargs):
+        def __init__(self, *args, offload_plan=None, offload_settings=None, **kwargs):
             super().__init__(*args, **kwargs)
             self._run = RunState(OffloadSettings())  # (its log counters; nothing of ours is built)
 

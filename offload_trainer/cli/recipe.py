@@ -144,7 +144,7 @@ def run_settings(training_args, model_config) -> OffloadSettings:
     config say that would change the result (the Trainer checks the rest once it is built)."""
     from ..trainer.fold import config_blockers, settings_for
 
-    return settings_for(OffloadSettings.of(training_args), config_blockers(training_args, model_config))
+    return settings_for(OffloadSettings.from_args(training_args), config_blockers(training_args, model_config))
 
 
 def model_config_of(model_args):
@@ -275,7 +275,7 @@ def build_trainer(model_args, data_args, training_args, settings, model_config, 
     # tokenizer, DataCollatorWithPadding, took ~6 ms per 4 x 2048 batch in tokenizer.pad, at every step's start, and
     # would add an attention mask, which turns off the per-document masks that position_ids give.)
     trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
-                             processing_class=processor or tokenizer, offload_plan=plan,
+                             processing_class=processor or tokenizer, offload_plan=plan, offload_settings=settings,
                              data_collator=data_collator(data_args, tokenizer, processor, train_ds))
     _one_line_per_log(trainer)
     return trainer, tokenizer, eval_ds

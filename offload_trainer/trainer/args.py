@@ -22,7 +22,7 @@ HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in da
 
 from ..limits import check_values
 from .. import settings as S
-from ..settings import OffloadSettings, device_states_text, layer_swap_text
+from ..settings import OffloadSettings
 
 # `optim` values that name AdamW: the streamed optimizer runs in their place (AdamW with torchao's 8-bit states; the
 # README's "What differs from Trainer" says so). Any other name runs the Trainer's own optimizer, nothing offloaded.
@@ -67,14 +67,14 @@ def offload_conflict(args, asked: bool | None) -> str | None:
 SMALL_TRAINABLE_FRACTION = 0.1
 
 
-def streams_optimizer(args, settings: OffloadSettings | None = None, *, optimizer_given: bool = False,
+def streams_optimizer(args, settings: OffloadSettings, *, optimizer_given: bool = False,
                       model=None) -> tuple[bool, str]:
     """(whether the streamed optimizer runs, why not when it does not). One rule for `TrainingArguments` and ours:
     `offload_optimizer` unset (None) streams when `optim` names AdamW, no optimizer was handed to the Trainer, there
     is a GPU, and (given the `model`) more than SMALL_TRAINABLE_FRACTION of it trains; otherwise the Trainer's own
     optimizer runs (the caller logs the reason). True insists (a contradiction is an error, before any weight is
     touched); False never streams."""
-    asked = (settings or OffloadSettings.of(args)).offload_optimizer
+    asked = settings.offload_optimizer
     optim = optim_name(args)
     if asked is False:
         return False, "offload_optimizer is false"
@@ -107,7 +107,7 @@ def streams_optimizer(args, settings: OffloadSettings | None = None, *, optimize
     return True, ""
 
 
-def several_gpus_conflict(args, settings: OffloadSettings | None = None) -> str | None:
+def several_gpus_conflict(args, settings: OffloadSettings) -> str | None:
     """Why one process cannot drive the GPUs it sees (the Trainer's DataParallel mode), or None."""
     if args is None or args.n_gpu <= 1 or not streams_optimizer(args, settings)[0]:
         return None
@@ -291,11 +291,6 @@ class OffloadFields:
         new.__dict__.update(copy.deepcopy(self.__dict__, memo))
         return new
 
-    @property
-    def place_model_on_device(self) -> bool | None:
-        # With layer swap the Trainer must not move the whole model: OffloadTrainer places it layer by layer.
-        return False if S.parse_layer_swap(self.layer_swap) is not False else None
-
     def __post_init__(self) -> None:
         conflict = offload_conflict(self, self.offload_optimizer)
         if conflict:  # before the Trainer's checks, which would import DeepSpeed
@@ -309,10 +304,11 @@ class OffloadFields:
         problems = check_values({k: v for k, v in vars(self).items() if isinstance(v, (int, float))})
         if problems:  # (a NaN learning rate or clip norm would train NaN weights and log losses of 0)
             raise ValueError("; ".join(problems))
-        # one spelling of each (`on` / `true` read as auto), then the settings, resolved once for the run
-        self.layer_swap = layer_swap_text(S.parse_layer_swap(self.layer_swap))
-        self.offload_device_states = device_states_text(S.parse_device_states(self.offload_device_states))
-        settings = OffloadSettings.of(self)  # every bound and conflict of our switches (ValueError)
+        # Every bound and conflict of our switches (ValueError), as TrainingArguments checks its own fields: this
+        # value is thrown away. The run's own is made by whoever runs it (the Trainer, or the command that hands it
+        # to the Trainer), so that a field set after the arguments were built counts, and nothing is kept on them
+        # (they pickle into training_args.bin). The fields stay as the user wrote them.
+        settings = OffloadSettings.from_args(self)
         streams_optimizer(self, settings)  # a contradiction (offload_optimizer: true with optim: sgd) fails here
         conflict = several_gpus_conflict(self, settings)
         if conflict:

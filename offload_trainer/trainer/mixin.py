@@ -69,9 +69,10 @@ def _head_and_decoder(model: nn.Module):
     return decoder, head
 
 
-def _settings(args) -> OffloadSettings:
+def make_settings(args) -> OffloadSettings:
+    """The run's settings from its arguments (`OffloadSettings.from_args`), a bad value as ConfigError."""
     try:
-        return OffloadSettings.of(args)
+        return OffloadSettings.from_args(args)
     except ValueError as e:
         raise ConfigError(str(e)) from None
 
@@ -79,20 +80,25 @@ def _settings(args) -> OffloadSettings:
 class OffloadMixin:
     """Mix into a `transformers.Trainer` subclass (before it): `class T(OffloadMixin, Trainer)`."""
 
-    def __init__(self, *args, offload_plan: Plan | None = None, **kwargs):
-        """`offload_plan`: the run's plan, when the caller made it already (`offload-trainer train` plans before
+    def __init__(self, *args, offload_plan: Plan | None = None, offload_settings: OffloadSettings | None = None,
+                 **kwargs):
+        """`offload_settings`: the run's settings, when the caller made them already from these arguments (the
+        command, which planned with them); else they are made here, once: every later decision reads this value.
+        `offload_plan`: the run's plan, when the caller made it already (`offload-trainer train` plans before
         loading any weight); else the Trainer plans at train()."""
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
-        settings = None
+        self._run = None
         if training_args is not None:
-            settings = _settings(training_args)
+            settings = offload_settings or make_settings(training_args)
             if not isinstance(training_args, OffloadFields):  # (ours were checked as they were built)
                 for conflict in (offload_conflict(training_args, None), several_gpus_conflict(training_args, settings)):
                     if conflict:
                         raise ConfigError(conflict)
             apply_gpu_memory_limit(settings.gpu_memory_limit_gb)  # (before the Trainer places anything)
+            self._run = RunState(settings, offload_plan)  # (before the Trainer's constructor: it places the model)
         super().__init__(*args, **kwargs)
-        self._run = RunState(settings or _settings(self.args), offload_plan)
+        if self._run is None:  # (the Trainer made its default arguments)
+            self._run = RunState(offload_settings or make_settings(self.args), offload_plan)
         try:  # (an optimizer handed over is honoured: the Trainer's own path, said in the log)
             self._run.streaming, self._run.not_streaming_why = streams_optimizer(
                 self.args, self._run.settings,
@@ -102,6 +108,14 @@ class OffloadMixin:
             raise ConfigError(str(e)) from None
         fold.check(self, self._run, OffloadMixin)  # (before the layer swap asks for a plan)
         wiring.install_layer_swap(self, self._run)
+
+    def _move_model_to_device(self, model, device):
+        # With layer swap the Trainer must not move the whole model: install_layer_swap places it layer by layer.
+        # (The Trainer's constructor and a model_init call this; TrainingArguments.place_model_on_device would need
+        # the arguments to parse layer_swap on every read.)
+        if self._run is not None and self._run.settings.layer_swap is not False:
+            return None
+        return super()._move_model_to_device(model, device)
 
     def _filters_loss_on_device(self) -> bool:
         return self.args.device.type == "cuda"
@@ -210,7 +224,7 @@ class OffloadMixin:
             return super()._clip_grad_norm(model)
         redo = self._redo_step if run.optimizer.speculative else None
         try:
-            norm = run.optimizer.clip_grad_norm_(self.args.max_grad_norm, redo=redo)
+            norm = run.optimizer.clip_grad_norm_(run.settings.max_grad_norm, redo=redo)
         finally:
             run.step_batches = []
         # one sync per optimizer step (none more where the optimizer read the norm already)
