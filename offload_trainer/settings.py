@@ -1,5 +1,5 @@
 """Every offload switch as one typed, frozen value (`OffloadSettings`), resolved once from a run's arguments: each
-default and bound is written here and nowhere else, each conflict between switches is checked here once. The
+default and bound is written here and nowhere else (the rules between values: trainer/conflicts.py). The
 planner and the Trainer shell read only this; `OffloadTrainingArguments` (trainer/args.py) takes its field defaults
 from the constants below and checks its values by building one. Nothing is imported: the mechanisms and the planner
 read the constants without importing transformers.
@@ -157,22 +157,8 @@ class OffloadSettings:
                              f"for a 64 GB machine)")
         if isinstance(self.layer_swap, int) and not isinstance(self.layer_swap, bool) and self.layer_swap < 0:
             raise ValueError(f"layer_swap={self.layer_swap}: use off, auto, or a number of layers (0 or more)")
-        if self.fold is not None and (self.fold < 1 or self.accumulation % self.fold):
-            raise ValueError(f"fold_accumulation={self.fold}: each optimizer step's {self.accumulation} micro-batches "
-                             f"(gradient_accumulation_steps) must split into groups of that many; use a divisor of "
-                             f"{self.accumulation}, auto or off")
-        if self.activation_offload and not self.checkpointing:
-            raise ValueError("activation_offload offloads the inputs that gradient checkpointing keeps: "
-                             "set activation_checkpointing: true as well")
-        if self.tiled_mlp and not self.checkpointing:
-            raise ValueError("tiled_mlp recomputes each MLP tile in backward, which gradient checkpointing's recompute "
-                             "feeds: set activation_checkpointing: true as well")
-        if self.tiled_layers and not self.checkpointing:
-            raise ValueError("tiled_layers recomputes each tile of a decoder layer in backward, which gradient "
-                             "checkpointing's recompute feeds: set activation_checkpointing: true as well")
-        if self.layer_swap is not False and not self.checkpointing:
-            raise ValueError("layer_swap fetches each swapped layer again for its recompute in backward: set "
-                             "activation_checkpointing: true as well")
+        if self.fold is not None and self.fold < 1:
+            raise ValueError(f"fold_accumulation={self.fold}: use auto, off, or a count of micro-batches (1 or more)")
 
     @classmethod
     def from_args(cls, args) -> "OffloadSettings":

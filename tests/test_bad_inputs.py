@@ -194,13 +194,16 @@ def test_speculative_clipping_with_data_parallel(tmp_path, monkeypatch):
     from offload_trainer import OffloadTrainer, OffloadTrainingArguments
     from offload_trainer.errors import ConfigError
 
+    import dataclasses
+
+    from offload_trainer.settings import OffloadSettings
+
     model, tok, data = tiny_setup()
     args = OffloadTrainingArguments(output_dir=str(tmp_path), offload_optimizer=True, max_grad_norm=1.0,
                                     speculative_clipping=True, offload_device_states="0.5", report_to="none")
-    trainer = OffloadTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
-    monkeypatch.setattr(type(trainer._run), "sharded", property(lambda self: True))  # (as under torchrun, 2 ranks)
+    two_ranks = dataclasses.replace(OffloadSettings.from_args(args), world_size=2)  # (as under torchrun)
     with pytest.raises(ConfigError, match="speculative_clipping with several ranks streams every 8-bit state"):
-        trainer.create_optimizer()
+        OffloadTrainer(model=model, args=args, train_dataset=data, processing_class=tok, offload_settings=two_ranks)
 
 
 def test_disk_too_small(tmp_path, capsys, monkeypatch):
@@ -674,6 +677,13 @@ def test_nonfinite_weights_are_not_saved(tmp_path, capsys, monkeypatch):
     assert "after step 1 the weights hold non-finite values (NaN or inf) in model.embed_tokens.weight" in err
     assert "checkpoint-1 is not written" in err
     assert not list(case.out.glob("checkpoint-*")) and not (case.out / "model.safetensors").exists()
+
+
+def test_optim_args_are_refused_before_the_model_loads(tmp_path, capsys, no_model_load):
+    """`optim_args` is read only by the Trainer's own optimizer, which the streamed AdamW replaces: the command
+    (which hands the Trainer no optimizer) refuses it before any weight loads (conflicts.check_trainer)."""
+    expect(Case(tmp_path, "offload_optimizer: true\noptim_args: foo=1\n"), capsys, 2, "optim_args='foo=1' is read by "
+           "the Trainer's own optimizer")
 
 
 def test_two_overrides_in_one_argument(tmp_path, capsys, no_model_load):

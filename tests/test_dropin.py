@@ -209,8 +209,11 @@ def test_our_arguments_follow_the_same_rule(tmp_path):
     assert isinstance(t.optimizer.optimizer, torch.optim.SGD)
     with pytest.raises(ValueError, match="offload_optimizer=True streams 8-bit AdamW states, but optim='sgd'"):
         args_for(tmp_path, OffloadTrainingArguments, optim="sgd", offload_optimizer=True)
+    # optim_args is refused where the streamed AdamW would replace the optimizer that reads it: the Trainer built
+    # without an optimizer of its caller's (the command asks before loading a weight)
     with pytest.raises(ValueError, match="optim_args"):
-        args_for(tmp_path, OffloadTrainingArguments, optim_args="foo=1")
+        OffloadTrainer(model=model, args=args_for(tmp_path, OffloadTrainingArguments, optim_args="foo=1"),
+                       train_dataset=train)
 
 
 @pytest.mark.parametrize("how", ["optimizers", "optimizer_cls_and_kwargs"])

@@ -76,6 +76,7 @@ def _signals_say_where_the_run_stands(config: str, overrides: list[str]):
 def _train(config: str, overrides: list[str]) -> str:
     cfg = load_config(config, overrides)  # every check that needs no model happens here
     from ..trainer.args import streams_optimizer  # (transformers: loaded once the config is known good)
+    from ..trainer.conflicts import check_trainer
 
     model_args, data_args, training_args = parse_args(cfg)  # (every switch and conflict checked as they are built)
     check_data_and_steps(data_args, training_args)
@@ -95,6 +96,7 @@ def _train(config: str, overrides: list[str]) -> str:
         model_config = model_config_of(model_args)  # (read once: a checkpoint's config.json may be remote)
         check_model_fits_data(model_args, data_args, model_config)
         settings = run_settings(training_args, model_config)
+        check_trainer(settings, training_args, optimizer_given=False)  # (the arguments met check_settings as built)
         plan = None
         if (streams_optimizer(training_args, settings)[0] or model_args.lora_r) and (
                 settings.gpu_memory_limit_gb or training_args.device.type == "cuda"):

@@ -5,7 +5,7 @@ def optimizer_will_stream(*, on_gpu: bool, full_finetune: bool, offload_optimize
     """Whether the streamed optimizer will update a full finetune's weights, read from a tool's config before its
     model loads (the Trainer, which decides it with trainer/args.py's `streams_optimizer`, does not exist yet): a GPU,
     every weight training (LoRA keeps the Trainer's AdamW), offload_optimizer not false, an AdamW `optim`."""
-    from ..trainer.args import ADAMW_NAMES
+    from ..trainer.conflicts import ADAMW_NAMES
 
     return on_gpu and full_finetune and offload_optimizer is not False and str(optim) in ADAMW_NAMES
 

@@ -1,6 +1,6 @@
 """Arguments: `OffloadTrainingArguments` adds our own fields (`OffloadFields`) to `transformers.TrainingArguments`;
 `offload_trainer.trl.OffloadSFTConfig` adds the same to TRL's `SFTConfig`. The rules that decide from arguments
-(`streams_optimizer`, the engine conflicts) live here too. (`ModelArguments`, `DataArguments`: run_args.py.)
+(`streams_optimizer`) live here too; the rules that refuse a combination in conflicts.py. (`ModelArguments`, `DataArguments`: run_args.py.)
 
 Only the fields we add live here. Everything else is `TrainingArguments`, parsed by transformers'
 own `HfArgumentParser` (see `config.py`).
@@ -23,43 +23,7 @@ HAS_ACTIVATION_CHECKPOINTING = "activation_checkpointing" in {f.name for f in da
 from ..limits import check_values
 from .. import settings as S
 from ..settings import OffloadSettings
-
-# `optim` values that name AdamW: the streamed optimizer runs in their place (AdamW with torchao's 8-bit states; the
-# README's "What differs from Trainer" says so). Any other name runs the Trainer's own optimizer, nothing offloaded.
-ADAMW_NAMES = ("adamw_torch", "adamw_torch_fused", "adamw_torch_8bit", "adamw_torch_4bit", "adamw_bnb_8bit",
-               "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")
-
-
-def optim_name(args) -> str:
-    return str(getattr(args.optim, "value", args.optim))
-
-
-# `accelerate launch` asks for DeepSpeed or FSDP (its flags, or distributed_type in an accelerate config file) only
-# through these variables, which TrainingArguments and the Accelerator read in the training processes.
-LAUNCHER_ENGINES = {"ACCELERATE_USE_DEEPSPEED": "DEEPSPEED", "ACCELERATE_USE_FSDP": "FSDP"}
-
-
-def offload_conflict(args, asked: bool | None) -> str | None:
-    """Why `offload_optimizer` (`asked`: its value) cannot run with these arguments or this launch (DeepSpeed /
-    FSDP), or None."""
-    if asked is False:
-        return None
-    engines = [k for k in ("deepspeed", "fsdp") if getattr(args, k, None)]
-    from accelerate.utils import parse_flag_from_env  # (read as accelerate reads them)
-
-    launched = [t for var, t in LAUNCHER_ENGINES.items() if parse_flag_from_env(var)]
-    if launched:
-        return (f"offload_optimizer streams the optimizer states itself and cannot run under "
-                f"{' / '.join(launched)}, which `accelerate launch` was asked for (its --use_deepspeed / --use_fsdp, "
-                f"or distributed_type: {launched[0]} in the accelerate config): launch with `accelerate launch "
-                f"--multi_gpu --num_processes N` (distributed_type: MULTI_GPU) or with one process, or set "
-                f"offload_optimizer: false to let {' / '.join(launched)} handle the optimizer")
-    if not engines:
-        return None
-    return (f"offload_optimizer streams the optimizer states itself and cannot run under {' / '.join(engines)} "
-            f"(which shard or offload them their own way): remove {', '.join(engines)}, or set "
-            f"offload_optimizer: false")
-
+from .conflicts import ADAMW_NAMES, check_settings, launch_conflict, optim_name
 
 # With offload_optimizer unset, a model training at most this fraction of its parameters (LoRA, adapters) keeps the
 # Trainer's AdamW: its states are small next to the weights, and streaming them costs time for no memory that matters
@@ -67,33 +31,18 @@ def offload_conflict(args, asked: bool | None) -> str | None:
 SMALL_TRAINABLE_FRACTION = 0.1
 
 
-def streams_optimizer(args, settings: OffloadSettings, *, optimizer_given: bool = False,
-                      model=None) -> tuple[bool, str]:
-    """(whether the streamed optimizer runs, why not when it does not). One rule for `TrainingArguments` and ours:
-    `offload_optimizer` unset (None) streams when `optim` names AdamW, no optimizer was handed to the Trainer, there
-    is a GPU, and (given the `model`) more than SMALL_TRAINABLE_FRACTION of it trains; otherwise the Trainer's own
-    optimizer runs (the caller logs the reason). True insists (a contradiction is an error, before any weight is
-    touched); False never streams."""
+def streams_optimizer(args, settings: OffloadSettings, *, model=None) -> tuple[bool, str]:
+    """(whether the streamed optimizer runs, why not when it does not), for a Trainer with no optimizer handed to it
+    (one handed over runs, said by the caller). One rule for `TrainingArguments` and ours: `offload_optimizer` unset
+    (None) streams when `optim` names AdamW, there is a GPU, and (given the `model`) more than
+    SMALL_TRAINABLE_FRACTION of it trains; otherwise the Trainer's own optimizer runs (the caller logs the reason).
+    True streams (conflicts.py refuses what contradicts it); False never streams."""
     asked = settings.offload_optimizer
     optim = optim_name(args)
     if asked is False:
         return False, "offload_optimizer is false"
-    if optimizer_given:
-        if asked:
-            raise ValueError("offload_optimizer=True streams its own AdamW, but an optimizer was passed to the Trainer "
-                             "(optimizers=... or optimizer_cls_and_kwargs=...): pass neither, or set "
-                             "offload_optimizer: false to train with yours")
-        return False, "an optimizer was passed to the Trainer (optimizers= or optimizer_cls_and_kwargs=)"
     if optim not in ADAMW_NAMES:
-        if asked:
-            raise ValueError(f"offload_optimizer=True streams 8-bit AdamW states, but optim={optim!r}. Set optim to one "
-                             f"of {', '.join(ADAMW_NAMES)}, or leave offload_optimizer unset (or false) to train with "
-                             f"{optim!r} on the GPU.")
         return False, f"optim={optim!r} is not AdamW"
-    if getattr(args, "optim_args", None):
-        raise ValueError(f"optim_args={args.optim_args!r} is read by the Trainer's own optimizer, which the streamed "
-                         f"AdamW replaces: use adam_beta1 / adam_beta2 / adam_epsilon / weight_decay, or set "
-                         f"offload_optimizer: false")
     if asked or model is None:
         return True, ""
     if args.device.type == "cpu":
@@ -105,16 +54,6 @@ def streams_optimizer(args, settings: OffloadSettings, *, optimizer_given: bool 
         return False, (f"{trained / 1e6:.1f} M of {total / 1e6:.0f} M parameters train (LoRA or adapters): their AdamW "
                        f"states ({16 * trained / 2**30:.2f} GiB with the gradients and fp32 copies) stay on the GPU")
     return True, ""
-
-
-def several_gpus_conflict(args, settings: OffloadSettings) -> str | None:
-    """Why one process cannot drive the GPUs it sees (the Trainer's DataParallel mode), or None."""
-    if args is None or args.n_gpu <= 1 or not streams_optimizer(args, settings)[0]:
-        return None
-    n = args.n_gpu
-    return (f"{n} GPUs are visible to this one process, where the Trainer would use torch.nn.DataParallel; the "
-            f"offloaded optimizer works one process per GPU. For data parallel launch `torchrun --nproc_per_node {n} "
-            f"...`; for one GPU set CUDA_VISIBLE_DEVICES=0.")
 
 
 @dataclass
@@ -292,9 +231,7 @@ class OffloadFields:
         return new
 
     def __post_init__(self) -> None:
-        conflict = offload_conflict(self, self.offload_optimizer)
-        if conflict:  # before the Trainer's checks, which would import DeepSpeed
-            raise ValueError(conflict)
+        launch_conflict(self, self.offload_optimizer)  # (before the Trainer's checks, which would import DeepSpeed)
         if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not self.use_cpu and not _cuda_available():
             # torchrun on a machine without CUDA: without use_cpu the Trainer would run each process on its own
             self.use_cpu = True
@@ -308,11 +245,7 @@ class OffloadFields:
         # value is thrown away. The run's own is made by whoever runs it (the Trainer, or the command that hands it
         # to the Trainer), so that a field set after the arguments were built counts, and nothing is kept on them
         # (they pickle into training_args.bin). The fields stay as the user wrote them.
-        settings = OffloadSettings.from_args(self)
-        streams_optimizer(self, settings)  # a contradiction (offload_optimizer: true with optim: sgd) fails here
-        conflict = several_gpus_conflict(self, settings)
-        if conflict:
-            raise ValueError(conflict)
+        check_settings(OffloadSettings.from_args(self), self)
 
 
 @dataclass

@@ -22,7 +22,8 @@ from transformers import Trainer
 from . import fold, guards, run_history, run_logs, seams, staging, wiring
 from ..engine.activations import enable_activation_offload
 from ..settings import OffloadSettings
-from .args import OffloadFields, offload_conflict, several_gpus_conflict, streams_optimizer
+from .args import OffloadFields, streams_optimizer
+from .conflicts import check_settings, check_trainer, launch_conflict
 from ..errors import ConfigError
 from ..engine.loss import chunked_causal_lm_loss
 from ..models import base_model
@@ -90,22 +91,21 @@ class OffloadMixin:
         self._run = None
         if training_args is not None:
             settings = offload_settings or make_settings(training_args)
-            if not isinstance(training_args, OffloadFields):  # (ours were checked as they were built)
-                for conflict in (offload_conflict(training_args, None), several_gpus_conflict(training_args, settings)):
-                    if conflict:
-                        raise ConfigError(conflict)
+            if not isinstance(training_args, OffloadFields):  # (ours met this as they were built)
+                launch_conflict(training_args, settings.offload_optimizer)
+            check_settings(settings, training_args)
             apply_gpu_memory_limit(settings.gpu_memory_limit_gb)  # (before the Trainer places anything)
             self._run = RunState(settings, offload_plan)  # (before the Trainer's constructor: it places the model)
         super().__init__(*args, **kwargs)
         if self._run is None:  # (the Trainer made its default arguments)
             self._run = RunState(offload_settings or make_settings(self.args), offload_plan)
-        try:  # (an optimizer handed over is honoured: the Trainer's own path, said in the log)
-            self._run.streaming, self._run.not_streaming_why = streams_optimizer(
-                self.args, self._run.settings,
-                optimizer_given=self.optimizer is not None or self.optimizer_cls_and_kwargs is not None,
-                model=self.model)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
+        given = self.optimizer is not None or self.optimizer_cls_and_kwargs is not None
+        check_trainer(self._run.settings, self.args, given)
+        if given:  # (an optimizer handed over is honoured: the Trainer's own path, said in the log)
+            self._run.not_streaming_why = "an optimizer was passed to the Trainer (optimizers= or optimizer_cls_and_kwargs=)"
+        else:
+            self._run.streaming, self._run.not_streaming_why = streams_optimizer(self.args, self._run.settings,
+                                                                                 model=self.model)
         fold.check(self, self._run, OffloadMixin)  # (before the layer swap asks for a plan)
         wiring.install_layer_swap(self, self._run)
 

@@ -10,6 +10,7 @@ from ..engine.distributed import Sharding
 from ..models import base_model
 from ..engine.optim import StreamedAdamW8bit
 from ..planner import Machine, plan_or_none
+from .conflicts import check_layer_swap, check_swapped_training
 from .run_state import RunState
 from .seams import claim_device_map
 from ..engine.fit import CudaProbe, ResidencyFit
@@ -104,14 +105,10 @@ def install_layer_swap(trainer, run: RunState) -> None:
     setting = run.settings.layer_swap  # False: off, None: auto, else resident layers
     if setting is False:
         return
-    if trainer.model_init is not None:
-        raise ConfigError("layer_swap places the layers of the model the Trainer is built with, but model_init "
-                          "builds a new model at every train(): pass model=... instead of model_init")
     model = trainer.model
-    inner = base_model(model)
-    layers = decoder_layers(inner)
-    if layers is None:
-        raise ConfigError("layer_swap needs a model whose decoder layers are an nn.ModuleList (every HF causal LM)")
+    inner = base_model(model) if model is not None else None
+    layers = decoder_layers(inner) if inner is not None else None
+    check_layer_swap(run.settings, model_init=trainer.model_init, layers=layers, streaming=run.streaming)
     if setting is None:
         make_plan(trainer, run)
         if run.plan is None:
@@ -134,13 +131,7 @@ def install_layer_swap(trainer, run: RunState) -> None:
     if resident < len(layers):  # (pinning several GiB takes seconds: said before it starts)
         logger.info("layer swap: pinning %d of %d decoder layers in CPU memory", len(layers) - resident, len(layers))
     run.swap = swap = LayerSwap(layers, device, resident=resident, prefetch=run.settings.layer_swap_prefetch)
-    if run.settings.world_size > 1 and not run.streaming:
-        raise ConfigError("layer_swap with several processes needs offload_optimizer: true (the streamed optimizer "
-                          "reduces gradients itself; DistributedDataParallel cannot wrap swapped layers)")
-    if swap.trainable_swapped and not run.streaming:
-        raise ConfigError("layer_swap with trainable swapped layers (full finetune) needs offload_optimizer: true: "
-                          "the streamed optimizer updates each swapped layer while it is on the GPU. (With LoRA "
-                          "only the frozen base weights are swapped and any optimizer works.)")
+    check_swapped_training(swap.trainable_swapped, run.streaming)
     claim_device_map(model, layers, device, swap.swapped_indices)
     if setting is None and device.type == "cuda" and run.settings.world_size == 1:
         # the planner's count is a prediction: the first full-size steps measure the peak and move layers to fit it
@@ -211,10 +202,6 @@ def streamed_optimizer(trainer, run: RunState, model=None):
     accumulate = run.accumulation > 1
     speculative = s.clips and run.decided("speculative_clipping")
     on_device = device_state_bytes(run)
-    if speculative and run.sharded and on_device:
-        raise ConfigError("speculative_clipping with several ranks streams every 8-bit state (each rank must know "
-                          "which updates speculate), but offload_device_states keeps some on the GPU: set "
-                          "offload_device_states: off, or speculative_clipping: false")
     offload_grads = gradients_offloaded(run.decided("offload_gradients"), asked=s.offload_gradients, clips=s.clips,
                                         accumulation=run.accumulation,
                                         swapped_trainable=run.swap is not None and run.swap.trainable_swapped)

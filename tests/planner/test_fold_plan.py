@@ -69,8 +69,12 @@ def test_fold_words_and_counts():
     for bad in ("0", "two", "-2", "1.5"):
         with pytest.raises(ValueError, match="fold_accumulation"):
             parse_fold(bad)
+    from types import SimpleNamespace
+
+    from offload_trainer.trainer.conflicts import check_settings
+
     with pytest.raises(ValueError, match="fold_accumulation=3: each optimizer step's 4 micro-batches"):
-        OffloadSettings(accumulation=4, fold=3)
+        check_settings(OffloadSettings(accumulation=4, fold=3), SimpleNamespace())
 
 
 def test_accumulating_on_the_host_clips_speculatively_in_the_same_host_memory():
