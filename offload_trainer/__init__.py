@@ -41,7 +41,7 @@ _WHERE = {
     "LayerSwap": "engine.swap",
     "Sharding": "engine.distributed",
     "ActivationOffloader": "engine.activations",
-    "plan": "planner",
+    "plan": "planner.keywords",
     "run_history": "trainer.run_history",
     "CheckpointError": "errors",
     "TrainingInterrupted": "errors",

@@ -231,6 +231,77 @@ def test_settings_are_made_once_per_run_and_handed_down(tmp_path, monkeypatch):
     assert kept == [], f"settings.py keeps state: {kept}"
 
 
+def _planner_functions_over(limit: int, root=None) -> list[str]:
+    """Every function of planner/ (nested ones and methods too) taking more than `limit` parameters, as file:name."""
+    import ast
+
+    root = root or PKG / "planner"
+    over = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+                if n > limit:
+                    over.append(f"{path.name}:{node.name}")
+    return over
+
+
+def test_planner_functions_take_few_values(tmp_path):
+    """The planner's entry is `plan(shape, settings, budget)`; the functions behind it take those few values (they
+    took 10-27 keywords), but the public keyword adapter (`offload_trainer.plan`, keywords.py). The check fails on a
+    function of nine."""
+    assert _planner_functions_over(8) == ["keywords.py:plan"]
+    (tmp_path / "wide.py").write_text("def f(a, b, c, d, e, f, g, h, *, i=0):\n    pass\n")
+    assert _planner_functions_over(8, tmp_path) == ["wide.py:f"]
+
+
+def test_forwards_are_replaced_only_through_the_wrap_helper():
+    """A module's forward is replaced only by `engine/wrap.py` (which records it, so that `unwrap` -- the model
+    handed back -- puts the module's own back: tests/test_hand_back.py checks that on a trained model); a hook on a
+    model goes through `wrap.add_hook` or a mechanism's detach registered with `wrap.on_unwrap`. An assignment
+    `module.forward = ...` anywhere else fails this."""
+    import re
+
+    pattern = re.compile(r"^[^#\n]*\.forward\s*=(?!=)", re.M)
+    assert pattern.search("    mlp.forward = forward  # ...") and not pattern.search("x.forward == y")
+    offenders = [str(p.relative_to(PKG)) for p in PKG.rglob("*.py")
+                 if p.name != "wrap.py" and pattern.search(p.read_text())]
+    assert offenders == []
+    hooks = re.compile(r"register_(forward_pre|forward|full_backward|full_backward_pre|post_accumulate_grad)_hook\(")
+    # each registering module and what takes its hooks off: the optimizer's schedule (detach, wiring registers it
+    # with on_unwrap), the layer swap (remove, likewise), activation offload (add_hook)
+    assert sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if hooks.search(p.read_text())) == [
+        "engine/activations.py", "engine/optim/schedule.py", "engine/swap.py"]
+
+
+def test_each_run_state_field_is_written_where_its_table_says():
+    """`RunState` stays one object (run_state.py says why); `WRITERS` names the module that writes each field. Every
+    assignment `run.<field> = ...` / `self._run.<field> = ...` in trainer/ and cli/ must be by a module the table
+    names, and every field must be in it: a new writer elsewhere fails this (the check is shown to catch one)."""
+    import re
+
+    from offload_trainer.trainer.run_state import WRITERS, RunState
+    from offload_trainer.settings import OffloadSettings
+
+    assert set(vars(RunState(OffloadSettings()))) == set(WRITERS)
+    pattern = re.compile(r"\b(?:run|_run)\.(\w+)(?:\s*,\s*(?:run|_run|self\._run)\.(\w+))*\s*=(?!=)")
+
+    def writers(text: str) -> set[str]:
+        return {name for m in pattern.finditer(text) for name in m.groups() if name}
+
+    assert writers("run.plan = None\nrun.streaming, run.not_streaming_why = f()\nx = run.plan == y") == {
+        "plan", "streaming", "not_streaming_why"}
+    wrong = []
+    for path in [*(PKG / "trainer").glob("*.py"), *(PKG / "cli").glob("*.py")]:
+        if path.name == "run_state.py":
+            continue
+        for field in writers(path.read_text()):
+            if path.stem not in WRITERS.get(field, ()):
+                wrong.append(f"{path.stem} writes run.{field}")
+    assert wrong == []
+
+
 def test_the_trainer_shell_loads_no_data_layer():
     """`import offload_trainer.trainer` (what a Trainer user imports) loads neither our data layer nor `datasets` or
     `peft`: those load where a run uses them."""

@@ -160,18 +160,19 @@ def test_host_ram_too_small(tmp_path, capsys, monkeypatch, no_model_load):
     # with no GPU cap, on the card's own memory: a GPU that does not fit only warns, a host that does not is refused
     from types import SimpleNamespace
 
-    from offload_trainer.cli.recipe import make_plan
+    from offload_trainer.cli.recipe import run_plan
     from offload_trainer.errors import ConfigError
     from offload_trainer.models import architecture_config
+    from offload_trainer.planner import run_budget
     from offload_trainer.settings import OffloadSettings
 
     settings = OffloadSettings(offload_optimizer=True, batch=4)
     data_args, model_args = SimpleNamespace(max_seq_length=2048), SimpleNamespace(torch_dtype="bfloat16")
     cfg = architecture_config("llama3-8b")
     with pytest.raises(ConfigError, match="host budget is 16.0 GiB"):
-        make_plan(model_args, data_args, settings, gpu_gb=24.0, host_gb=16.0, model_config=cfg, strict=False)
-    assert make_plan(model_args, data_args, settings, gpu_gb=8.0, host_gb=100.0, model_config=cfg,
-                     strict=False) is None  # (the GPU short: warned, trained with the switches as given)
+        run_plan(model_args, data_args, settings, run_budget(settings, gpu_gb=24.0, host_gb=16.0), cfg, strict=False)
+    assert run_plan(model_args, data_args, settings, run_budget(settings, gpu_gb=8.0, host_gb=100.0), cfg,
+                    strict=False) is None  # (the GPU short: warned, trained with the switches as given)
 
 
 def test_speculative_clipping_short_of_host_ram(tmp_path, capsys, monkeypatch, no_model_load):

@@ -633,7 +633,7 @@ def test_gpu_limit_above_the_card(monkeypatch, caplog):
 
     import torch
 
-    from offload_trainer.trainer import mixin
+    from offload_trainer.trainer import wiring
 
     fractions = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -642,9 +642,9 @@ def test_gpu_limit_above_the_card(monkeypatch, caplog):
                         lambda i: SimpleNamespace(total_memory=25_757_220_864))  # an RTX 4090: 23.99 GiB
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", fractions.append)
     with caplog.at_level(logging.INFO, logger="offload_trainer"):
-        mixin.apply_gpu_memory_limit(24)
+        wiring.apply_gpu_memory_limit(24)
     assert fractions == [] and "is not below this GPU's 23.99 GiB: no cap" in caplog.text
-    mixin.apply_gpu_memory_limit(12)
+    wiring.apply_gpu_memory_limit(12)
     assert fractions == [pytest.approx(12 * 2**30 / 25_757_220_864)]
 
 

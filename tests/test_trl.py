@@ -75,15 +75,16 @@ def test_dpo_trainer_with_offload_follows_trls_own(tmp_path):
 
 def test_the_plan_counts_a_reference_model(tmp_path):
     from offload_trainer.trainer import wiring
-    from offload_trainer.planner import plan_for_run
+    from offload_trainer.planner import plan_for_run, run_budget, run_shape
     from offload_trainer.trl import OffloadDPOConfig, OffloadDPOTrainer
 
     trainer, _ = _dpo(tmp_path, OffloadDPOTrainer, OffloadDPOConfig, offload_optimizer=True)
     want = sum(p.numel() * p.element_size() for p in trainer.ref_model.parameters()) / 2**30
     assert wiring.reference_model_gib(trainer) == pytest.approx(want, rel=0.01) and want > 0
     config, settings = trainer.model.config, trainer._run.settings
-    alone = plan_for_run(settings, config, 64, gpu_gb=1.0)
-    beside = plan_for_run(settings, config, 64, gpu_gb=1.0, other_models_gib=0.25)
+    alone = plan_for_run(settings, run_shape(config, 64), run_budget(settings, gpu_gb=1.0))
+    beside = plan_for_run(settings, run_shape(config, 64),
+                          run_budget(settings, gpu_gb=1.0, other_models_gib=0.25))
     assert beside.gpu_budget_gib == pytest.approx(alone.gpu_budget_gib - 0.25)
 
 

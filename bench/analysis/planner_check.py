@@ -176,7 +176,7 @@ def predict(row: dict, *counts, clipping: str = "ran") -> list[dict]:
     "ran" plans the clipping the row ran with, "planner" lets the planner choose it."""
     from offload_trainer.cli.config import load_config, parse_args
     from offload_trainer.models import architecture_config
-    from offload_trainer.planner import plan_at_resident, plan_for_run
+    from offload_trainer.planner import plan_at_resident, plan_for_run, run_budget, run_shape
     from offload_trainer.settings import OffloadSettings
 
     config, *overrides = row["extra"]["argv"].split()
@@ -196,9 +196,10 @@ def predict(row: dict, *counts, clipping: str = "ran") -> list[dict]:
     # the switches the run's plan decided (on the held card), then that plan at each resident count the run ran with
     # (on the host the run had: its plan's budget where the row records it, a held host's)
     host = (row.get("predicted") or {}).get("host_budget_gib") or HOST_GIB
-    run_plan = plan_for_run(settings, cfg, seq, host_gb=host, gpu_gb=HELD_GIB, model_args=model_args)
+    shape = run_shape(cfg, seq, model_args)
+    run_plan = plan_for_run(settings, shape, run_budget(settings, host_gb=host, gpu_gb=HELD_GIB))
     plans = {n: run_plan if n is None or n == run_plan.resident_layers else
-             plan_at_resident(run_plan, settings, cfg, seq, n, model_args=model_args) for n in set(counts)}
+             plan_at_resident(run_plan, settings, shape, n) for n in set(counts)}
     return [dict(gpu=p.gpu_peak_gib, host=p.host_peak_gib, resident=p.resident_layers, layers=p.layers, step=p.step_s,
                  speculative=p.speculative_clipping, notes=p.notes)
             for p in map(plans.get, counts)]

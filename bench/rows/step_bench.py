@@ -134,7 +134,7 @@ def main() -> None:
         row["params"] = sum(p.numel() for p in model.parameters())
         noclip = a.system.endswith("noclip")
         if a.resident is not None:
-            from offload_trainer.planner import plan
+            from offload_trainer import plan
             from offload_trainer.engine.swap import LayerSwap
 
             resident = a.resident if a.resident != "auto" else plan(
@@ -170,7 +170,8 @@ def main() -> None:
 
                 shard = Sharding()
             from offload_trainer.engine.optim import kernel as update_kernel
-            from offload_trainer.planner import PlanError, plan
+            from offload_trainer import plan
+            from offload_trainer.planner import PlanError
             from offload_trainer.settings import parse_device_states
 
             offload_grads = (not noclip or a.accum > 1) and not a.grads_on_gpu

@@ -105,6 +105,9 @@ def stock_trainer_class(base):
             super().__init__(*args, **kwargs)
             self._run = RunState(OffloadSettings())  # (its log counters; nothing of ours is built)
 
+        def hand_back_model(self):  # (nothing of ours is on it)
+            return self.model
+
         def train(self, *args, **kwargs):
             self._run.log = LogCounters()
             return super().train(*args, **kwargs)
@@ -259,11 +262,11 @@ def main() -> None:
             row["extra"]["resident_layers"] = {"planned": run.plan.resident_layers if run.plan else None, "final": final}
             row["extra"]["fit"] = said.lines
             if run.plan is not None and final != run.plan.resident_layers:
-                from offload_trainer.planner import plan_at_resident
+                from offload_trainer.planner import plan_at_resident, run_shape
 
-                row["predicted"] = {**predicted(plan_at_resident(run.plan, run.settings, built[0].model.config,
-                                                                 data_args.max_seq_length, final,
-                                                                 model_args=model_args)), "resident_layers": final}
+                shape = run_shape(built[0].model.config, data_args.max_seq_length, model_args)
+                row["predicted"] = {**predicted(plan_at_resident(run.plan, run.settings, shape, final)),
+                                    "resident_layers": final}
     row["extra"]["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")  # (the command sets one if unset)
     if profiler is not None:  # (its steps are left out of the median: profiling slows them a little)
         row["extra"]["profile"] = profiler.summary

@@ -12,7 +12,7 @@ import signal
 
 from .. import sysinfo
 from ..errors import ConfigError, TrainingInterrupted, stop_signals_call
-from ..planner import Machine, ModelShape
+from ..planner import Machine, ModelShape, run_budget
 from ..settings import OffloadSettings
 from ..trainer import manifest
 from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save
@@ -102,9 +102,9 @@ def _train(config: str, overrides: list[str]) -> str:
                 settings.gpu_memory_limit_gb or training_args.device.type == "cuda"):
             # the run's one plan, before any weights (refused if it cannot fit a cap; none on a CPU: it plans GPU
             # memory); with no cap, for this GPU's memory, as the Trainer would plan
-            plan = make_plan(model_args, data_args, settings, model_config=model_config, strict=False,
-                             gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib),
-                             host_gb=sysinfo.host_available_gib())
+            budget = run_budget(settings, gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib),
+                                host_gb=sysinfo.host_available_gib())
+            plan = run_plan(model_args, data_args, settings, budget, model_config, strict=False)
             if plan is not None:
                 logger.info("plan:\n%s", plan.table())
         if main_rank:
@@ -116,6 +116,7 @@ def _train(config: str, overrides: list[str]) -> str:
             metrics = trainer.evaluate()
             logger.info("eval loss %.4f", metrics["eval_loss"])
         write_outputs(trainer, tokenizer, model_args)
+        trainer.hand_back_model()  # (the run is over: nothing of ours stays on the model)
     logger.info("saved to %s", out)
     return out
 
@@ -130,9 +131,9 @@ def plan_command(config: str, overrides: list[str], as_json: bool, host_gb: floa
         settings = dataclasses.replace(settings, host_memory_limit_gb=host_gb)
     # no gpu_memory_limit_gb: on a machine with a GPU, plan for it, as the Trainer will; a host budget is planned for
     # on any machine (a 64 GB desktop's run planned from a laptop), else this machine's available memory
-    p = make_plan(model_args, data_args, settings, gpus, gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib),
-                  host_gb=None if settings.host_memory_limit_gb else sysinfo.host_available_gib(),
-                  model_config=model_config)
+    budget = run_budget(settings, gpu_gb=sysinfo.gpu_budget_gib(Machine().cuda_context_gib),
+                        host_gb=None if settings.host_memory_limit_gb else sysinfo.host_available_gib(), ranks=gpus)
+    p = run_plan(model_args, data_args, settings, budget, model_config)
     if as_json:
         import json
 
@@ -185,15 +186,14 @@ def model_errors(path: str | None, what: str):
         raise ConfigError(f"model_name_or_path {path!r}: cannot load {what}: {first}. ({fix})") from None
 
 
-def make_plan(model_args, data_args, settings, gpus: int | None = None, gpu_gb: float | None = None,
-              host_gb: float | None = None, model_config=None, strict: bool = True):
-    """The plan, None where `train` goes on without one, or ConfigError naming what to change (`strict`: `plan`,
-    which refuses an architecture the planner does not know; the rule is `planner.plan_or_none`'s). `gpu_gb`,
-    `host_gb`: what this machine has for the run (the plan is for the settings' limits where those are less)."""
-    from ..planner import PlanError, plan_or_none
+def run_plan(model_args, data_args, settings, budget, model_config, strict: bool = True):
+    """The run's plan (`planner.make_plan`, the call the Trainer makes too), None where `train` goes on without one,
+    or ConfigError naming what to change (`strict`: `plan`, which refuses an architecture the planner does not
+    know)."""
+    from ..planner import PlanError, make_plan
     try:
-        return plan_or_none(settings, model_config or model_config_of(model_args), data_args.max_seq_length,
-                            required=strict, host_gb=host_gb, gpu_gb=gpu_gb, model_args=model_args, ranks=gpus)
+        return make_plan(settings, budget, required=strict, config=model_config, seq=data_args.max_seq_length,
+                         model_args=model_args)
     except PlanError as e:
         raise ConfigError(f"{e}") from None
 

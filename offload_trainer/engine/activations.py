@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
 from .streams import Streams, pinned_empty
+from .wrap import add_hook, on_unwrap
 
 __all__ = ["ActivationOffloader", "enable_activation_offload"]
 
@@ -159,18 +160,39 @@ class _Held:
         return self.fn(x, *rest, **kwargs)
 
 
+_OFFLOADER = "_offload_trainer_activations"
+_NONE = object()
+
+
+def _checkpointing_as_it_was(model: torch.nn.Module):
+    """What puts the layers' checkpointing back as it is now, and forgets the offloader (for `wrap.unwrap`)."""
+    before = [(m, m.__dict__.get("_gradient_checkpointing_func", _NONE), m.gradient_checkpointing)
+              for m in model.modules() if hasattr(m, "gradient_checkpointing")]
+
+    def undo() -> None:
+        for m, func, on in before:
+            m.gradient_checkpointing = on
+            if func is _NONE:
+                m.__dict__.pop("_gradient_checkpointing_func", None)
+            else:
+                m._gradient_checkpointing_func = func
+        model.__dict__.pop(_OFFLOADER, None)
+    return undo
+
+
 def enable_activation_offload(model: torch.nn.Module, *, prefetch: int = 1,
                               max_inflight: int | None = 3) -> ActivationOffloader:
     """Turn on gradient checkpointing of a transformers model with offloaded layer inputs."""
     if not hasattr(model, "_set_gradient_checkpointing"):
         raise TypeError("enable_activation_offload needs a transformers PreTrainedModel; from a bare loop, "
                         "call ActivationOffloader(device).checkpoint(layer, x) in place of checkpoint()")
-    offloader = getattr(model, "_offload_trainer_activations", None)
+    offloader = model.__dict__.get(_OFFLOADER)
+    layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
     if offloader is None:
         offloader = ActivationOffloader(next(model.parameters()).device, prefetch=prefetch, max_inflight=max_inflight)
-        model._offload_trainer_activations = offloader
-        model.register_forward_pre_hook(lambda module, args: offloader.reset())
-    layers = [m for m in model.modules() if hasattr(m, "_gradient_checkpointing_func")]
+        model.__dict__[_OFFLOADER] = offloader
+        add_hook(model, model.register_forward_pre_hook(lambda module, args: offloader.reset()))
+        on_unwrap(model, _checkpointing_as_it_was(model))
     if not all(m._gradient_checkpointing_func == offloader.checkpoint and m.gradient_checkpointing for m in layers):
         model._set_gradient_checkpointing(enable=True, gradient_checkpointing_func=offloader.checkpoint)
     model.config.use_cache = False

@@ -18,6 +18,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from .wrap import wrap_forward
+
 __all__ = ["run_tiled", "tile_mlps"]
 
 
@@ -85,19 +87,18 @@ def tile_mlps(layers: nn.ModuleList, tile: int) -> int:
     MLPs were wrapped."""
     if tile < 1:
         raise ValueError(f"tile={tile}: a tile holds at least one token")
-    wrapped = 0
+    count = 0
     for layer in layers:
         mlp = getattr(layer, "mlp", None)
-        if mlp is None or not _is_dense_mlp(mlp) or getattr(mlp, "_tiled_mlp", None):
+        if mlp is None or not _is_dense_mlp(mlp):
             continue
-        plain = mlp.forward
 
-        def forward(x, plain=plain, mlp=mlp):
-            if x.shape[-2] <= tile or not torch.is_grad_enabled():
-                return plain(x)
-            return run_tiled(lambda t: (plain(t),), tile, [x], tuple(mlp.parameters()))[0]
+        def tiled(plain, mlp=mlp):
+            def forward(x):
+                if x.shape[-2] <= tile or not torch.is_grad_enabled():
+                    return plain(x)
+                return run_tiled(lambda t: (plain(t),), tile, [x], tuple(mlp.parameters()))[0]
+            return forward
 
-        mlp.forward = forward  # (an instance attribute: the module's hooks still run around it)
-        mlp._tiled_mlp = tile
-        wrapped += 1
-    return wrapped
+        count += wrap_forward(mlp, "tiled_mlp", tiled)  # (unwrap() puts the MLP's own forward back)
+    return count

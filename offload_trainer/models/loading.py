@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..engine.wrap import wrap_forward
 from ..errors import ConfigError
 from .layerwise import pretrained_4bit_layerwise, random_init_4bit, random_init_layerwise
 from .registry import DTYPES, VISION_LM_TARGETS, architecture_config, base_model, model_class
@@ -123,16 +124,17 @@ def no_backward_into_a_frozen_vision_tower(model: torch.nn.Module) -> None:
     if tower is None:
         return
     params = list(tower.parameters())
-    forward = tower.forward
 
-    @functools.wraps(forward)
-    def forward_frozen(*args, **kwargs):
-        if any(p.requires_grad for p in params):
-            return forward(*args, **kwargs)
-        with torch.no_grad():
-            return forward(*args, **kwargs)
+    def frozen(forward):
+        @functools.wraps(forward)
+        def forward_frozen(*args, **kwargs):
+            if any(p.requires_grad for p in params):
+                return forward(*args, **kwargs)
+            with torch.no_grad():
+                return forward(*args, **kwargs)
+        return forward_frozen
 
-    tower.forward = forward_frozen  # (an instance attribute: the module's hooks still run around it)
+    wrap_forward(tower, "frozen_tower", frozen)  # (unwrap() puts the tower's own forward back)
 
 
 def local_weights(model_args) -> str:

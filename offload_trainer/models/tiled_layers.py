@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..engine.tiled_mlp import run_tiled
+from ..engine.wrap import wrap_forward
 
 __all__ = ["TILED_LAYER_CLASSES", "tile_decoder_layers"]
 
@@ -81,16 +82,16 @@ def _tiled_forward(layer: nn.Module, plain, tile: int):
     return forward
 
 
+TILED_LAYER_TAG = "tiled_layer"
+
+
 def tile_decoder_layers(layers: nn.ModuleList, tile: int) -> int:
     """Run each of `layers` (of `TILED_LAYER_CLASSES`) in tiles of `tile` tokens around its attention while
     autograd records. Returns how many layers were wrapped."""
     if tile < 1:
         raise ValueError(f"tile={tile}: a tile holds at least one token")
-    wrapped = 0
+    count = 0
     for layer in layers:
-        if type(layer).__name__ not in TILED_LAYER_CLASSES or getattr(layer, "_tiled_layer", None):
-            continue
-        layer.forward = _tiled_forward(layer, layer.forward, tile)  # (an instance attribute, as tile_mlps')
-        layer._tiled_layer = tile
-        wrapped += 1
-    return wrapped
+        if type(layer).__name__ in TILED_LAYER_CLASSES:  # (unwrap() puts the layer's own forward back)
+            count += wrap_forward(layer, TILED_LAYER_TAG, lambda plain, layer=layer: _tiled_forward(layer, plain, tile))
+    return count

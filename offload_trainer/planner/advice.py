@@ -1,31 +1,39 @@
 """The planner's refusal: when no plan fits, which knob to change and by how much (search.py tries the plans)."""
 from __future__ import annotations
 
-import functools
+import dataclasses
+import math
 
+from .estimate import Choice, Step, estimate
+from .inputs import Budget
 from .shape import GiB, machine_for
 
 
-def refusal(checked, estimate, n, batch, seq, gpu_usable, gpu_gb, host_gb, machine, wb: int = 2,
-            source: str = "") -> str:
+def refusal(checked, step: Step, base: Choice, budget: Budget) -> str:
     """Why none of the plans tried fits, and what would: for the GPU, layer swap or fewer tokens per micro-batch;
     for the host, the machine the leanest plan that fits the GPU needs, or what frees host memory; a plan that fits
     both budgets but not layer_swap: auto's start margin, named with the margin and the count that runs as set.
-    `checked`: (plan, the GPU bytes it was given: the budget, or the budget less that margin)."""
+    `checked`: (plan, the GPU bytes it was given: the budget, or the budget less that margin); `base`: the
+    micro-batch and the states kept on the GPU, as tried."""
     tried = [p for p, _ in checked]
     best = min(tried, key=lambda p: p.gpu_peak_gib)
-    same_switches = functools.partial(estimate, offload_gradients=best.offload_gradients,
-                                      activation_offload=best.activation_offload, resident=best.resident_layers,
-                                      tiled=best.tiled_mlp, tiled_layers=best.tiled_layers)
+    batch, seq, n, wb, machine = base.batch, base.seq, step.params, step.wb, step.machine
+    gpu_gb, host_gb, source = budget.gpu_gb, budget.host_gb, budget.host_source
+    gpu_usable = (gpu_gb - machine.cuda_context_gib) * GiB if gpu_gb else math.inf
+    as_best = dataclasses.replace(base, offload_gradients=best.offload_gradients,
+                                  activation_offload=best.activation_offload, resident=best.resident_layers,
+                                  tiled=best.tiled_mlp, tiled_layers=best.tiled_layers)
+
+    def same_switches(batch: int, seq: int) -> dict:
+        return estimate(step, dataclasses.replace(as_best, batch=batch, seq=seq))
+
     msgs = []
     if best.gpu_peak_gib * GiB > gpu_usable:
         fixed = same_switches(batch=1, seq=8)
         msgs.append(f"GPU: needs {best.gpu_peak_gib:.1f} GiB (the leanest plan tried) but {gpu_gb:g} GiB leaves "
                     f"{gpu_usable / GiB:.1f} GiB for PyTorch.")
         swap_helps = best.resident_layers == best.layers and estimate(
-            batch=batch, seq=seq, offload_gradients=best.offload_gradients,
-            activation_offload=best.activation_offload, resident=0, tiled=best.tiled_mlp,
-            tiled_layers=best.tiled_layers)["reserved"] <= gpu_usable
+            step, dataclasses.replace(as_best, resident=0))["reserved"] <= gpu_usable
         if swap_helps:
             msgs.append("Swapping decoder layers through pinned CPU memory fits: layer_swap: auto "
                         "(the planner keeps as many layers on the GPU as fit).")

@@ -5,6 +5,7 @@ Sizes in bytes, times in seconds; constants calibrated on the H200 runs in bench
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ..engine.sizes import STATE_BYTES_PER_VALUE
@@ -16,30 +17,70 @@ from .shape import GiB, Machine, ModelShape
 SLACK_BASE_GIB, SLACK_HIDDEN_TENSORS, SLACK_HIDDEN_TENSORS_TILED_LAYERS = 2.87, 6.35, 2.75
 
 
-def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool, offload_gradients: bool,
-             activation_offload: bool, loss_chunk: int, chunk_numel: int, inflight: int, machine: Machine,
-             resident: int | None = None, swap_slots: int = 3, lora: int = 0, weight_bits: int = 16,
-             block: int = 256, accum: int = 1, ranks: int = 1, node_ranks: int = 1, fused_update: bool = True,
-             device_states: float = 0, save_shard: int = 0, wb: int = 2, speculative: bool = False,
-             tiled: bool = False, tiled_layers: bool = False, workers: int = 0) -> dict:
-    """Memory of one micro-batch of `batch` x `seq` tokens; traffic and time of one optimizer step of `accum`
-    micro-batches. Data parallel over `ranks` processes (`node_ranks` of them on this host): each holds 1/ranks of
-    the states; GPU figures are per process, host figures per node. `device_states`: bytes of 8-bit states kept on
-    the GPU (their tensors' gradients are never offloaded either). `wb`: bytes per value of the model's dtype (weights,
-    gradients, activations: 2 for bf16, 4 for float32); the 8-bit states are 2 bytes per value whatever it is.
-    `speculative` (with `clip`): speculative clipping, on the steps whose clip does not fire (a redone step runs its
-    micro-batches twice); the GPU must also hold exact clipping's step, which it falls back to. `tiled`: each MLP in
-    tiles of `MLP_TILE_TOKENS` positions (engine/tiled_mlp.py); `tiled_layers`: each decoder layer but its attention
-    so (models/tiled_layers.py). `workers`: the data loader's worker processes
-    (each process's)."""
-    L = shape.layers
-    x = SimpleNamespace(shape=shape, params=params, batch=batch, seq=seq, clip=clip, og=offload_gradients,
-                        act=activation_offload, loss_chunk=loss_chunk, chunk_numel=chunk_numel, inflight=inflight,
-                        m=machine, swap_slots=swap_slots, lora=lora, weight_bits=weight_bits, block=block, accum=accum,
-                        ranks=ranks, node_ranks=node_ranks, fused_update=fused_update, device_states=device_states,
-                        save_shard=save_shard, wb=wb, T=batch * seq, swapped=L - (L if resident is None else resident),
-                        spec=speculative and clip and not lora, tiled=tiled or tiled_layers,
-                        tiled_layers=tiled_layers, workers=workers)
+@dataclass(frozen=True)
+class Step:
+    """What the search holds fixed for one micro-batch shape: the model, the optimizer's streaming, the launch.
+    `clip`: max_grad_norm > 0. `lora`: adapter parameters on a frozen base of `weight_bits` (16, or 4 for NF4).
+    `accum`: micro-batches per optimizer step. Data parallel over `ranks` processes (`node_ranks` of them on this
+    host): each holds 1/ranks of the states; GPU figures are per process, host figures per node. `wb`: bytes per
+    value of the model's dtype (weights, gradients, activations: 2 for bf16, 4 for float32); the 8-bit states are 2
+    bytes per value whatever it is. `save_shard`: host bytes a save adds. `workers`: the data loader's worker
+    processes (each process's)."""
+
+    shape: ModelShape
+    params: int
+    clip: bool
+    loss_chunk: int
+    chunk_numel: int
+    inflight: int
+    machine: Machine
+    lora: int = 0
+    weight_bits: int = 16
+    accum: int = 1
+    ranks: int = 1
+    node_ranks: int = 1
+    fused_update: bool = True
+    save_shard: int = 0
+    wb: int = 2
+    workers: int = 0
+    swap_slots: int = 3
+    block: int = 256
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What the search tries for a micro-batch of `batch` x `seq` tokens: where gradients wait
+    (`offload_gradients`), the layer inputs (`activation_offload`), how many decoder layers stay on the GPU
+    (`resident`, None: all), `tiled`: each MLP in tiles of `MLP_TILE_TOKENS` positions (engine/tiled_mlp.py),
+    `tiled_layers`: each decoder layer but its attention so (models/tiled_layers.py), `speculative` (with clipping):
+    speculative clipping, on the steps whose clip does not fire (a redone step runs its micro-batches twice; the GPU
+    must also hold exact clipping's step, which it falls back to), `device_states`: bytes of 8-bit states kept on the
+    GPU (their tensors' gradients are never offloaded either)."""
+
+    batch: int
+    seq: int
+    offload_gradients: bool = False
+    activation_offload: bool = False
+    resident: int | None = None
+    tiled: bool = False
+    tiled_layers: bool = False
+    speculative: bool = False
+    device_states: float = 0
+
+
+def estimate(step: Step, choice: Choice) -> dict:
+    """Memory of one micro-batch; traffic and time of one optimizer step of `step.accum` micro-batches."""
+    s, c = step, choice
+    L = s.shape.layers
+    x = SimpleNamespace(shape=s.shape, params=s.params, batch=c.batch, seq=c.seq, clip=s.clip, og=c.offload_gradients,
+                        act=c.activation_offload, loss_chunk=s.loss_chunk, chunk_numel=s.chunk_numel,
+                        inflight=s.inflight, m=s.machine, swap_slots=s.swap_slots, lora=s.lora,
+                        weight_bits=s.weight_bits, block=s.block, accum=s.accum, ranks=s.ranks,
+                        node_ranks=s.node_ranks, fused_update=s.fused_update, device_states=c.device_states,
+                        save_shard=s.save_shard, wb=s.wb, T=c.batch * c.seq,
+                        swapped=L - (L if c.resident is None else c.resident),
+                        spec=c.speculative and s.clip and not s.lora, tiled=c.tiled or c.tiled_layers,
+                        tiled_layers=c.tiled_layers, workers=s.workers)
     _weights(x)
     _gpu_held(x)
     _gpu_phase(x)
@@ -51,10 +92,10 @@ def estimate(shape: ModelShape, params: int, *, batch: int, seq: int, clip: bool
                 working=x.phase - x.checkpoints - x.grads_kept,
                 step=x.step, native=x.t_native, cpu_bound=x.cpu_bound,
                 breakdown={"weights": x.weights / GiB, "swap slots": x.swap_gpu / GiB,
-                           **({"LoRA adapters + AdamW": x.adapters / GiB} if lora else {}),
+                           **({"LoRA adapters + AdamW": x.adapters / GiB} if x.lora else {}),
                            "optimizer slots": (x.slots + x.update_temps) / GiB,
-                           **({"optimizer states on the GPU": device_states / GiB} if device_states else {}),
-                           **_peak_parts(x.phase, x.start, x.checkpoints, x.grads_kept, throughout=accum > 1),
+                           **({"optimizer states on the GPU": x.device_states / GiB} if x.device_states else {}),
+                           **_peak_parts(x.phase, x.start, x.checkpoints, x.grads_kept, throughout=x.accum > 1),
                            "allocator slack": x.slack / GiB})
 
 

@@ -4,13 +4,14 @@ as fit; gradient and activation offload only where needed; the 8-bit states the 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 from ..engine.sizes import STATE_BYTES_PER_VALUE
-from ..settings import CHUNK_NUMEL, INFLIGHT_CHUNKS, LOSS_CHUNK, MLP_TILE_TOKENS, gradients_offloaded
-from .estimate import estimate as _estimate
+from ..settings import MLP_TILE_TOKENS, gradients_offloaded
+from ..settings import OffloadSettings
+from .estimate import Choice, Step, estimate
 from .advice import refusal
+from .inputs import Budget, RunShape
 from .shape import GiB, HostPlanError, Machine, ModelShape, PlanError
 from .table import Plan
 
@@ -21,24 +22,27 @@ from .table import Plan
 SPECULATION_GAIN = 0.02
 
 
-def plan(config, *, batch: int, seq: int, accum: int = 1, fold: int | None = 1, suggest: bool = True, **kw) -> Plan:
-    """The fastest configuration that fits the budgets (None = let the planner choose a switch); `_plan_micro_batch`
-    says what each argument means.
+def plan(shape: RunShape, settings: OffloadSettings, budget: Budget, suggest: bool = True) -> Plan:
+    """The fastest configuration for the run's `settings` that fits the `budget` (a switch left None is the
+    planner's to choose). The public keyword form, `offload_trainer.plan`, is an adapter over this (keywords.py).
 
-    `fold`: with `accum` > 1, how many of a step's micro-batches run as one (the Trainer's loop hands them one by one;
-    trainer/fold.py concatenates them): 1 runs each as it comes; None takes the divisor j of `accum` whose plan (for
-    micro-batches of `batch * j`, `accum / j` per step: the same samples per step) is predicted fastest within the
-    budgets. One micro-batch of the step's samples moves no gradient sums over PCIe, and may clip speculatively; a
-    larger micro-batch needs more GPU memory. The Plan's `batch` and `accum` are the micro-batches as run, `fold` the
-    j. Where none fits, the error is that of the micro-batches as given (fold 1), or of the `fold` asked for, and
-    (`suggest`) it ends with every key of `ALTERNATIVES` that makes the run fit on its own, with the plan it gives.
-    """
+    `settings.fold`: with accumulation, how many of a step's micro-batches run as one (the Trainer's loop hands them
+    one by one; trainer/fold.py concatenates them): 1 runs each as it comes; None takes the divisor j of the
+    accumulation whose plan (micro-batches of `batch * j`, `accumulation / j` per step: the same samples per step) is
+    predicted fastest within the budgets. One micro-batch of the step's samples moves no gradient sums over PCIe, and
+    may clip speculatively; a larger micro-batch needs more GPU memory. The Plan's `batch` and `accum` are the
+    micro-batches as run, `fold` the j. Where none fits, the error is that of the micro-batches as given (fold 1), or
+    of the fold asked for, and (`suggest`) it ends with every key of `ALTERNATIVES` that makes the run fit on its own,
+    with the plan it gives."""
+    s = settings
+    accum, fold = s.accumulation, s.fold
     if fold is not None and (fold < 1 or accum % fold):
         raise PlanError(f"fold_accumulation={fold} must divide gradient_accumulation_steps={accum}")
     best, first_error = None, None
     for j in [fold] if fold is not None else [j for j in range(1, accum + 1) if accum % j == 0]:
         try:
-            p = _plan_micro_batch(config, batch=batch * j, seq=seq, accum=accum // j, **kw)
+            p = _plan_micro_batch(shape, dataclasses.replace(s, batch=s.batch * j, accumulation=accum // j, fold=1),
+                                  budget)
         except PlanError as e:
             first_error = first_error or e
             continue
@@ -46,33 +50,33 @@ def plan(config, *, batch: int, seq: int, accum: int = 1, fold: int | None = 1, 
         if best is None or p.step_s <= best.step_s:  # (a tie goes to the larger micro-batch: fewer host copies)
             best = p
     if best is None:
-        fits = _fits_with(config, batch, seq, accum, fold, kw) if suggest else []
+        fits = _fits_with(shape, s, budget) if suggest else []
         if fits:
             raise type(first_error)(f"{first_error} Each of these fits as the only change: {'; '.join(fits)}.")
         raise first_error
     if best.fold > 1:
-        best.notes.insert(0, f"gradient accumulation: {best.fold} micro-batches of {batch} x {seq} run as one of "
-                             f"{best.batch} x {seq} ({best.accum} per optimizer step): the same samples, loss and "
-                             f"update, {'no gradient sums' if best.accum == 1 else 'fewer gradient sums'} over PCIe")
+        best.notes.insert(0, f"gradient accumulation: {best.fold} micro-batches of {s.batch} x {shape.seq} run as one "
+                             f"of {best.batch} x {shape.seq} ({best.accum} per optimizer step): the same samples, "
+                             f"loss and update, {'no gradient sums' if best.accum == 1 else 'fewer gradient sums'} "
+                             f"over PCIe")
     return best
 
 
-# keys a refusal tries one at a time (the argument, the value that asks for it, the key as a config writes it); a
+# settings a refusal tries one at a time (the field, the value that asks for it, the key as a config writes it); a
 # value the run already has is skipped
-ALTERNATIVES = (("max_grad_norm", 0, "max_grad_norm: 0"), ("layer_swap", None, "layer_swap: auto"),
+ALTERNATIVES = (("max_grad_norm", 0.0, "max_grad_norm: 0"), ("layer_swap", None, "layer_swap: auto"),
                 ("activation_offload", True, "activation_offload: true"), ("tiled_layers", None, "tiled_layers: true"))
-_ARG_DEFAULTS = {"max_grad_norm": 1.0, "layer_swap": False, "activation_offload": None, "tiled_layers": False}
 
 
-def _fits_with(config, batch, seq, accum, fold, kw) -> list[str]:
+def _fits_with(shape: RunShape, settings: OffloadSettings, budget: Budget) -> list[str]:
     """Each key of ALTERNATIVES that makes a refused run fit on its own, with its plan's figures."""
     found = []
     for key, value, text in ALTERNATIVES:
-        now = kw.get(key, _ARG_DEFAULTS[key])
+        now = getattr(settings, key)
         if now == value or (key == "activation_offload" and now is None) or (key == "max_grad_norm" and not now):
             continue  # (activation_offload None: the planner tried it already)
         try:
-            p = plan(config, batch=batch, seq=seq, accum=accum, fold=fold, suggest=False, **{**kw, key: value})
+            p = plan(shape, dataclasses.replace(settings, **{key: value}), budget, suggest=False)
         except ValueError:  # (PlanError, or a combination the planner refuses)
             continue
         found.append(f"{text} ({p.gpu_peak_gib:.1f} GiB GPU, {p.host_peak_gib:.1f} GiB host, {p.step_s:.2f} s a "
@@ -80,57 +84,41 @@ def _fits_with(config, batch, seq, accum, fold, kw) -> list[str]:
     return found
 
 
-def _plan_micro_batch(config, *, batch: int, seq: int, gpu_memory_limit_gb: float | None = None,
-                      host_memory_gb: float | None = None, max_grad_norm: float = 1.0, loss_chunk: int = LOSS_CHUNK,
-                      chunk_numel: int = CHUNK_NUMEL, inflight: int = INFLIGHT_CHUNKS,
-                      activation_offload: bool | None = None, offload_gradients: bool | None = None,
-                      params: int | None = None, layer_swap: bool | int | None = False, lora_params: int = 0,
-                      weight_bits: int = 16, accum: int = 1, ranks: int = 1, node_ranks: int | None = None,
-                      fused_update: bool = True, device_states: str | float = 0, save_shard_bytes: int = 0,
-                      weight_bytes: int = 2, speculative: bool | None = None, tiled_mlp: bool | None = False,
-                      tiled_layers: bool | None = False, workers: int = 0, host_budget_source: str = "",
-                      machine: Machine = Machine()) -> Plan:
-    """The fastest configuration that fits the budgets for micro-batches of `batch` x `seq` tokens, `accum` per step.
+def _plan_micro_batch(shape: RunShape, settings: OffloadSettings, budget: Budget) -> Plan:
+    """The fastest configuration that fits the budgets for micro-batches of `settings.batch` x `shape.seq` tokens,
+    `settings.accumulation` per step (their gradients wait between micro-batches, on the GPU or with
+    `offload_gradients` in pinned memory).
 
-    `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs;
-    an int keeps that many resident. `accum`: micro-batches per optimizer step (gradient accumulation; their
-    gradients wait between micro-batches, on the GPU or with `offload_gradients` in pinned memory).
-    `ranks`: data parallel processes (each holds its share of the optimizer states), `node_ranks` of them on this
-    host (default: all): GPU figures are per GPU, host figures (and `host_memory_gb`) for the whole node.
-    `lora_params` > 0: LoRA with that many adapter parameters on a frozen base
-    of `weight_bits` (16, or 4 for bitsandbytes NF4); the adapters and their optimizer stay on the GPU.
-    `fused_update`: the optimizer's Triton update (its default on CUDA); False: torchao's compiled update.
-    `weight_bytes`: bytes per value of the model's dtype (2: bf16 / fp16, 4: float32).
-    `save_shard_bytes`: host memory a checkpoint's save adds (safetensors holds one shard in host memory while it
-    writes it; `plan_for_run` counts one `SAVE_SHARD_BYTES` shard, or the whole weights when smaller).
-    `device_states`: GiB of 8-bit states kept on the GPU (`StreamedAdamW8bit(device_state_bytes=)`), or "auto" (with a
-    GPU budget): see `_with_device_states`.
-    `speculative`: speculative clipping (with `max_grad_norm`): None takes it where it is faster and the host budget
-    has room (`_with_speculation`); True insists; False clips exactly.
+    `layer_swap`: False keeps every decoder layer on the GPU; None swaps as few as the GPU budget needs; an int keeps
+    that many resident. `device_states`: GiB of 8-bit states kept on the GPU (`StreamedAdamW8bit(device_state_bytes=)`),
+    or "auto" (with a GPU budget): see `_with_device_states`. `speculative_clipping` (with clipping): None takes it
+    where it is faster and the host budget has room (`_with_speculation`); True insists; False clips exactly.
     `tiled_mlp`: each MLP in tiles (engine/tiled_mlp.py); None takes it only where no plan fits without it.
     `tiled_layers`: each decoder layer but its attention in tiles (models/tiled_layers.py, its MLP included); None
     takes it only where no plan fits with tiled MLPs, and for the layers it knows (`ModelShape.tileable`).
-    `workers`: the data loader's worker processes (host memory). `host_budget_source`: what `host_memory_gb` is,
-    for the table ("host_memory_limit_gb", "available on this machine").
+    `fused_update`: False is torchao's compiled update, else the optimizer's Triton update (its default on CUDA).
 
     Raises PlanError, naming the knob to change, when none fits; HostPlanError when plans fit the GPU but not the
     host, naming the machine they need.
     """
-    shape = ModelShape.from_config(config)
-    n = params or shape.params
-    clip = bool(max_grad_norm and max_grad_norm > 0)
-    fixed_states = 0.0 if device_states == "auto" or lora_params else float(device_states or 0) * GiB
-    est = functools.partial(_estimate, shape, n, clip=clip, loss_chunk=loss_chunk, chunk_numel=chunk_numel,
-                            inflight=inflight, machine=machine, lora=lora_params, weight_bits=weight_bits,
-                            accum=accum, ranks=ranks, node_ranks=ranks if node_ranks is None else node_ranks,
-                            fused_update=fused_update, device_states=fixed_states, save_shard=save_shard_bytes,
-                            wb=weight_bytes, workers=workers)
-    base = dict(params=n, batch=batch, seq=seq, clip=clip, lora_params=lora_params, rates_of=machine.name, accum=accum,
-                ranks=ranks, gpu_budget_gib=gpu_memory_limit_gb, host_budget_gib=host_memory_gb, layers=shape.layers,
-                device_state_gib=fixed_states / GiB, save_shard_gib=save_shard_bytes / GiB,
-                host_budget_source=host_budget_source)
-    gpu_usable = (gpu_memory_limit_gb - machine.cuda_context_gib) * GiB if gpu_memory_limit_gb else math.inf
-    host_usable = host_memory_gb * GiB if host_memory_gb else math.inf
+    s, model, machine = settings, shape.model, budget.machine
+    batch, seq, n = s.batch, shape.seq, shape.n
+    lora, clip = shape.lora_params, s.clips
+    gpu_gb, host_gb = budget.gpu_gb, budget.host_gb
+    fixed_states = 0.0 if s.device_states == "auto" or lora else float(s.device_states or 0) * GiB
+    step = Step(model, n, clip=clip, loss_chunk=s.loss_chunk_size, chunk_numel=s.chunk_numel,
+                inflight=s.inflight_chunks, machine=machine, lora=lora, weight_bits=shape.weight_bits,
+                accum=s.accumulation, ranks=budget.ranks, node_ranks=budget.ranks_here,
+                fused_update=s.fused_update is not False, save_shard=shape.save_shard_bytes, wb=shape.weight_bytes,
+                workers=s.data_workers)
+    base = dict(params=n, batch=batch, seq=seq, clip=clip, lora_params=lora, rates_of=machine.name,
+                accum=s.accumulation, ranks=budget.ranks, gpu_budget_gib=gpu_gb, host_budget_gib=host_gb,
+                layers=model.layers, device_state_gib=fixed_states / GiB, save_shard_gib=shape.save_shard_bytes / GiB,
+                host_budget_source=budget.host_source)
+    gpu_usable = _gpu_usable(budget)
+    host_usable = host_gb * GiB if host_gb else math.inf
+    layer_swap = s.layer_swap
+
     # layer_swap auto starts with a margin below the budget: its first steps measure the peak and move layers onto
     # the GPU while it leaves room (engine/fit.py); a count predicted to just fit would be run before it is measured.
     # The margin grows with what the prediction is least sure of, the step's working set (long sequences)
@@ -139,43 +127,45 @@ def _plan_micro_batch(config, *, batch: int, seq: int, gpu_memory_limit_gb: floa
             return gpu_usable
         return gpu_usable - AUTO_SWAP_START_MARGIN_GIB * GiB - AUTO_SWAP_START_WORKING_SHARE * e["working"]
     tried, gpu_fits, usables = [], [], []  # every plan tried; whether each fit the GPU; the GPU bytes it was given
-    for switches in (dict(s, tiled=mlp, tiled_layers=layers) for mlp, layers in _tilings(
-            tiled_mlp, tiled_layers, seq, shape) for s in _candidates(
-            shape.layers, layer_swap, activation_offload, offload_gradients, clip=clip, accum=accum,
-            lora=bool(lora_params), gpu_fits=gpu_fits)):
-        e = est(batch=batch, seq=seq, **switches)
+    for switches in (dict(c, tiled=mlp, tiled_layers=layers) for mlp, layers in _tilings(
+            s.tiled_mlp, s.tiled_layers, seq, model) for c in _candidates(
+            model.layers, layer_swap, s.activation_offload, s.offload_gradients, clip=clip, accum=s.accumulation,
+            lora=bool(lora), gpu_fits=gpu_fits)):
+        choice = Choice(batch=batch, seq=seq, device_states=fixed_states, **switches)
+        e = estimate(step, choice)
         p = Plan(offload_gradients=switches["offload_gradients"], activation_offload=switches["activation_offload"],
                  resident_layers=switches["resident"], tiled_mlp=switches["tiled"],
                  tiled_layers=switches["tiled_layers"], **base, **_predicted(e))
         # (none resident: no fewer to start from, so the plan that fits the budget itself runs and is measured)
-        usable = gpu_usable if switches["resident"] in (shape.layers, 0) else swap_usable(e)
+        usable = gpu_usable if switches["resident"] in (model.layers, 0) else swap_usable(e)
         gpu_fits.append(e["reserved"] <= usable)
         usables.append(usable)
         p.fits = gpu_fits[-1] and e["host"] <= host_usable
         tried.append(p)
-        if p.fits and device_states == "auto" and gpu_memory_limit_gb and ranks == 1 and not (
-                lora_params or switches["activation_offload"] or switches["resident"] < shape.layers):
-            tried[-1] = p = _with_device_states(p, functools.partial(est, batch=batch, seq=seq, **switches), shape, n,
-                                                gpu_usable, gpu_memory_limit_gb)
-            with_acts = None if p.device_states_scope or activation_offload is not None else functools.partial(
-                est, batch=batch, seq=seq, **dict(switches, activation_offload=True))
+        with_acts = None
+        if p.fits and s.device_states == "auto" and gpu_gb and budget.ranks == 1 and not (
+                lora or switches["activation_offload"] or switches["resident"] < model.layers):
+            tried[-1] = p = _with_device_states(p, step, choice, gpu_usable, gpu_gb)
+            if not p.device_states_scope and s.activation_offload is None:
+                with_acts = dataclasses.replace(choice, activation_offload=True)
             if with_acts is not None and not clip:
-                tried[-1] = p = _embedding_for_activations(p, with_acts, shape, gpu_usable, host_usable)
-        else:
-            with_acts = None
+                tried[-1] = p = _embedding_for_activations(p, step, with_acts, gpu_usable, host_usable)
         if p.fits:
-            if clip and not lora_params:
-                p = _with_speculation(p, functools.partial(est, batch=batch, seq=seq, **switches,
-                                                           device_states=p.device_state_gib * GiB),
-                                      host_usable, host_memory_gb, speculative)
+            if clip and not lora:
+                p = _with_speculation(p, step, dataclasses.replace(choice, device_states=p.device_state_gib * GiB),
+                                      host_usable, host_gb, s.speculative_clipping)
                 if with_acts is not None and p.speculative_clipping:
-                    p = _embedding_for_activations(p, functools.partial(with_acts, speculative=True), shape,
+                    p = _embedding_for_activations(p, step, dataclasses.replace(with_acts, speculative=True),
                                                    gpu_usable, host_usable)
-            p.notes += _notes(p, e, shape, weight_bytes)
+            p.notes += _notes(p, e, model, shape.weight_bytes)
             return p
-    advice = refusal(list(zip(tried, usables)), est, n, batch, seq, gpu_usable, gpu_memory_limit_gb, host_memory_gb,
-                     machine, weight_bytes, host_budget_source)
+    advice = refusal(list(zip(tried, usables)), step, Choice(batch=batch, seq=seq, device_states=fixed_states), budget)
     raise (HostPlanError if any(gpu_fits) else PlanError)(advice)
+
+
+def _gpu_usable(budget: Budget) -> float:
+    """Bytes of the GPU budget the allocator has (the CUDA context taken off); unbounded without a budget."""
+    return (budget.gpu_gb - budget.machine.cuda_context_gib) * GiB if budget.gpu_gb else math.inf
 
 
 def _tilings(mlp: bool | None, layers: bool | None, seq: int, shape: ModelShape) -> list[tuple[bool, bool]]:
@@ -218,7 +208,7 @@ def _embedding_state_bytes(shape: ModelShape) -> int:
     return STATE_BYTES_PER_VALUE * shape.vocab * shape.hidden
 
 
-def _with_device_states(p: Plan, est, shape: ModelShape, n: int, gpu_usable: float, gpu_gb: float) -> Plan:
+def _with_device_states(p: Plan, step: Step, choice: Choice, gpu_usable: float, gpu_gb: float) -> Plan:
     """`device_states: auto`: the input embedding's states on the GPU, when the plan leaves room for them (and their
     gradient, when gradients would wait on the host) within the GPU budget less `DEVICE_STATE_MARGIN_GIB`; then the
     next tensors' in model order, as many as leave max(`DEVICE_STATE_FILL_MARGIN_GIB`, `DEVICE_STATE_FILL_FRACTION` of
@@ -226,31 +216,34 @@ def _with_device_states(p: Plan, est, shape: ModelShape, n: int, gpu_usable: flo
     where the plan needs neither activation offload nor layer swap to fit (a tight plan gets no extras). Backward
     reaches the embedding last, so its states' copies would follow backward's last kernel (3B with its tied
     embedding at 4 x 2048 on the H200: ~16 ms of a 0.54 s step)."""
-    want = _embedding_state_bytes(shape)
-    e2 = est(device_states=want)
+    def est(states):
+        return estimate(step, dataclasses.replace(choice, device_states=states))
+
+    want = _embedding_state_bytes(step.shape)
+    e2 = est(want)
     if e2["reserved"] > gpu_usable - DEVICE_STATE_MARGIN_GIB * GiB:
         return p
     # then the next tensors' (in model order), as many as leave the wider fill margin free
     limit = gpu_usable - max(DEVICE_STATE_FILL_MARGIN_GIB, DEVICE_STATE_FILL_FRACTION * gpu_gb) * GiB
-    every = STATE_BYTES_PER_VALUE * n
-    more = _most_states(lambda b: est(device_states=b)["reserved"] <= limit, want, every)
+    every = STATE_BYTES_PER_VALUE * step.params
+    more = _most_states(lambda b: est(b)["reserved"] <= limit, want, every)
     scope = "all" if more >= every else "first" if more > want else "embedding"
     if more > want:
-        want, e2 = more, est(device_states=more)
+        want, e2 = more, est(more)
     return dataclasses.replace(p, device_state_gib=want / GiB, **_predicted(e2), device_states_scope=scope)
 
 
-def _embedding_for_activations(p: Plan, est, shape: ModelShape, gpu_usable: float, host_usable: float) -> Plan:
+def _embedding_for_activations(p: Plan, step: Step, choice: Choice, gpu_usable: float, host_usable: float) -> Plan:
     """`device_states: auto` where the plan has no room for the input embedding's states: its layer inputs offloaded
-    to pinned memory instead (`est` has activation offload on) make the room, taken when the step that saves (its
+    to pinned memory instead (`choice` has activation offload on) make the room, taken when the step that saves (its
     states' copies after backward, `estimate._first_unit_kept`) is predicted faster than the one it has. Only the
     embedding's: a tight plan gets no more (8B at 4 x 2048 on a 24 GiB card: 1.0 GiB of states for 2.0 GiB of
     activations moved off the GPU; +1.3-1.5% tok/s measured without clipping, s50b, s66a, s66b, s66c). Also with
     speculative clipping (`p` its plan), whose weights' backups cross PCIe beside the activations': +0.8% (s68a),
     once the backups were paced over forward and backward (all in the forward, they made the step 3.8% slower, s66c,
     s68a). Not with exact clipping, not measured."""
-    want = _embedding_state_bytes(shape)
-    e = est(device_states=want)
+    want = _embedding_state_bytes(step.shape)
+    e = estimate(step, dataclasses.replace(choice, device_states=want))
     if e["reserved"] > gpu_usable - DEVICE_STATE_MARGIN_GIB * GiB or e["host"] > host_usable or e["step"] >= p.step_s:
         return p
     alt = dataclasses.replace(p, activation_offload=True, device_state_gib=want / GiB, device_states_scope="embedding",
@@ -261,7 +254,8 @@ def _embedding_for_activations(p: Plan, est, shape: ModelShape, gpu_usable: floa
     return alt
 
 
-def _with_speculation(p: Plan, est, host_usable: float, host_gb: float | None, speculative: bool | None) -> Plan:
+def _with_speculation(p: Plan, step: Step, choice: Choice, host_usable: float, host_gb: float | None,
+                      speculative: bool | None) -> Plan:
     """Speculative clipping where it pays: updates during backward, a step that clips rolled back and redone. It
     needs streamed states (nothing to wait for otherwise) and host memory for a second bank of states and the backups
     (in the spare buffer, which gradient sums between micro-batches leave as each is read); taken
@@ -275,7 +269,7 @@ def _with_speculation(p: Plan, est, host_usable: float, host_gb: float | None, s
                    "measured on GPUs; speculative_clipping: true takes it")
     elif p.device_states_scope == "all":
         why_not = "every 8-bit state is on the GPU: no update waits for PCIe, exact clipping is as fast"
-    e = est(speculative=True) if why_not is None else None
+    e = estimate(step, dataclasses.replace(choice, speculative=True)) if why_not is None else None
     if e is not None and e["host"] > host_usable:
         why_not = (f"speculative clipping needs {e['host'] / GiB:.1f} GiB of host memory (a second bank of 8-bit states "
                    f"and the weights' backups), the host budget is {host_gb:.1f} GiB"
@@ -359,7 +353,7 @@ def _most_states(fits, low: float, high: float) -> float:
 
 
 def _predicted(e: dict) -> dict:
-    """The Plan fields an `_estimate` gives."""
+    """The Plan fields an `estimate` gives."""
     return dict(gpu_peak_gib=e["reserved"] / GiB, gpu_allocated_gib=e["allocated"] / GiB, host_peak_gib=e["host"] / GiB,
                 pinned_gib=e["pinned"] / GiB, pcie_gb_per_step=e["pcie"] / 1e9, step_s=e["step"],
                 native_step_s=e["native"], breakdown=e["breakdown"], host_breakdown=e["host_breakdown"])

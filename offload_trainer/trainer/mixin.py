@@ -20,6 +20,7 @@ from torch import nn
 from transformers import Trainer
 
 from . import fold, guards, run_history, run_logs, seams, staging, wiring
+from ..engine import wrap
 from ..engine.activations import enable_activation_offload
 from ..settings import OffloadSettings
 from .args import OffloadFields, streams_optimizer
@@ -32,22 +33,6 @@ from .run_state import RunState
 from ..planner import SAVE_SHARD_BYTES, Plan
 
 logger = logging.getLogger("offload_trainer")
-
-
-def apply_gpu_memory_limit(gib: float | None) -> None:
-    """Cap this process's CUDA memory at `gib` GiB (emulates a smaller card on a bigger one)."""
-    if not gib:
-        return
-    if not torch.cuda.is_available():
-        raise ConfigError(f"gpu_memory_limit_gb={gib:g} caps GPU memory, but PyTorch sees no CUDA GPU (a CPU-only "
-                          f"torch build, or no driver). Remove gpu_memory_limit_gb to train on the CPU; "
-                          f"`offload-trainer plan` plans for a GPU without one.")
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-    if gib * 2**30 >= total:  # (a "24 GB" card has 23.99 GiB: the shipped configs' 24 is that card, not an error)
-        logger.info("gpu_memory_limit_gb=%g is not below this GPU's %.2f GiB: no cap, the card itself is the limit "
-                    "(the plan is made for the lesser of the two)", gib, total / 2**30)
-        return
-    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
 
 
 def _liger_computes_loss(model: nn.Module) -> bool:
@@ -94,7 +79,7 @@ class OffloadMixin:
             if not isinstance(training_args, OffloadFields):  # (ours met this as they were built)
                 launch_conflict(training_args, settings.offload_optimizer)
             check_settings(settings, training_args)
-            apply_gpu_memory_limit(settings.gpu_memory_limit_gb)  # (before the Trainer places anything)
+            wiring.apply_gpu_memory_limit(settings.gpu_memory_limit_gb)  # (before the Trainer places anything)
             self._run = RunState(settings, offload_plan)  # (before the Trainer's constructor: it places the model)
         super().__init__(*args, **kwargs)
         if self._run is None:  # (the Trainer made its default arguments)
@@ -106,8 +91,27 @@ class OffloadMixin:
         else:
             self._run.streaming, self._run.not_streaming_why = streams_optimizer(self.args, self._run.settings,
                                                                                  model=self.model)
+        if isinstance(self.model, nn.Module) and wrap.attached(self.model):
+            # (another Trainer's optimizer hooks would also update the weights in this one's backward)
+            wrap.unwrap(self.model)
+            logger.info("the model came with another OffloadTrainer's optimizer, layer swap or activation offload "
+                        "attached: taken off it (that Trainer no longer trains this model; hand_back_model() does "
+                        "this explicitly)")
         fold.check(self, self._run, OffloadMixin)  # (before the layer swap asks for a plan)
         wiring.install_layer_swap(self, self._run)
+
+    def hand_back_model(self) -> nn.Module:
+        """Take every wrapper, hook and mechanism of ours off the model and return it: each module's own forward
+        back, no hook of ours, the streamed optimizer and the layer swap detached (swapped layers' weights left in
+        CPU memory, as `hf_device_map` says), activation checkpointing as the Trainer set it. Until then the Trainer
+        keeps them for evaluate(), predict() and another train(); after it, this Trainer trains no more (a new one
+        can take the model). `offload-trainer train` hands the model back at its end, and train() at an error."""
+        run = self._run
+        if not run.handed_back and isinstance(self.model, nn.Module):
+            run.synchronize()
+            wrap.unwrap(self.model)
+        run.handed_back = True
+        return self.model
 
     def _move_model_to_device(self, model, device):
         # With layer swap the Trainer must not move the whole model: install_layer_swap places it layer by layer.
@@ -122,16 +126,25 @@ class OffloadMixin:
 
     # -------------------------------------------------------------- train
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
-        """The Trainer's train(), with output_dir locked against a second run for its duration."""
-        if not self.args.should_save:
-            return self._train(resume_from_checkpoint, trial, **kwargs)
-        check_output_dir(self.args.output_dir)
-        with OutputLock(self.args.output_dir):
-            return self._train(resume_from_checkpoint, trial, **kwargs)
+        """The Trainer's train(), with output_dir locked against a second run for its duration. An error hands the
+        model back (`hand_back_model`): nothing of ours stays on it."""
+        if self._run.handed_back:
+            raise ConfigError("this OffloadTrainer handed its model back (hand_back_model(), or after an error in "
+                              "train()): build a new OffloadTrainer with the model to train it again")
+        try:
+            if not self.args.should_save:
+                return self._train(resume_from_checkpoint, trial, **kwargs)
+            check_output_dir(self.args.output_dir)
+            with OutputLock(self.args.output_dir):
+                return self._train(resume_from_checkpoint, trial, **kwargs)
+        except BaseException:
+            with contextlib.suppress(Exception):  # (the error that ended the run is the one to see)
+                self.hand_back_model()
+            raise
 
     def _train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         run = self._run
-        wiring.make_plan(self, run)
+        wiring.plan_the_run(self, run)
         fold.start(run, self.args.per_device_train_batch_size)
         wiring.install_tiling(self, run)
         if run.settings.checkpointing and run.first_time("plain stacks") and seams.checkpoint_plain_stacks(

@@ -51,6 +51,22 @@ class LogCounters:
     clip_counts: dict | None = None
 
 
+# Who writes each field after RunState made it (besides `new_train`, which resets what one train() measured), one
+# module each but `plan`: the run's owner modules. Kept as one object, not split by owner, because the shell's
+# modules read across them (the guards read the optimizer and the swap, the logs every mover): split, each would be
+# handed several. tests/test_architecture.py checks this table against the code.
+WRITERS = {
+    "settings": ("fold",),  # folding nothing where it would change the result (fold.check)
+    "plan": ("wiring", "fold"),  # made at train(); a plan the command made that folds is dropped by fold.check
+    "streaming": ("mixin",), "not_streaming_why": ("mixin",), "activations": ("mixin",), "figures": ("mixin",),
+    "step_batches": ("mixin",), "handed_back": ("mixin",),
+    "swap": ("wiring",), "fit": ("wiring",), "optimizer": ("wiring",), "row_tokens": ("wiring",),
+    "device_loss_filter": ("seams",), "interrupted": ("guards",), "staging_dir": ("staging",),
+    "fold": ("fold",), "fold_blockers": ("fold",),
+    "nonfinite": (), "log": (), "said": (), "want_activations": (),
+}
+
+
 class RunState:
     def __init__(self, settings: OffloadSettings, plan: Plan | None = None):
         self.settings = settings
@@ -72,6 +88,7 @@ class RunState:
         self.row_tokens: tuple | None = None  # (the training dataset, its longest row): wiring.row_tokens
         self.fold = None  # the micro-batches run as one, once planned (fold.py), or None
         self.fold_blockers: list[str] = []  # why folding would change the result (fold.check)
+        self.handed_back = False  # the model handed back (OffloadMixin.hand_back_model): no more training
 
     def first_time(self, line: str) -> bool:
         """True the first time it is asked for `line`: the log lines said once a run."""

@@ -16,6 +16,7 @@ import os
 import torch
 
 from ..engine.optim import StreamedAdamW8bit
+from ..engine.wrap import wrap_forward
 from .run_state import RunState
 
 
@@ -197,19 +198,18 @@ def checkpoint_plain_stacks(model) -> int:
 
     inside = {id(m) for layer in model.modules() if isinstance(layer, GradientCheckpointingLayer)
               for m in layer.modules()}  # (a stack within a checkpointed layer is recomputed with it)
-    wrapped = 0
+    count = 0
     for stack in layer_stacks(model):
         for layer in stack:
-            if id(layer) in inside or getattr(layer, "_checkpointed_forward", False):
+            if id(layer) in inside:
                 continue
-            plain, params = layer.forward, tuple(layer.parameters())
 
-            def forward(*args, plain=plain, params=params, **kwargs):
-                if torch.is_grad_enabled() and any(p.requires_grad for p in params):
-                    return checkpoint(plain, *args, use_reentrant=False, **kwargs)
-                return plain(*args, **kwargs)
+            def checkpointed(plain, params=tuple(layer.parameters())):
+                def forward(*args, **kwargs):
+                    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+                        return checkpoint(plain, *args, use_reentrant=False, **kwargs)
+                    return plain(*args, **kwargs)
+                return forward
 
-            layer.forward = forward  # (an instance attribute: the module's hooks still run around it)
-            layer._checkpointed_forward = True
-            wrapped += 1
-    return wrapped
+            count += wrap_forward(layer, "checkpointed", checkpointed)  # (unwrap() puts the layer's forward back)
+    return count

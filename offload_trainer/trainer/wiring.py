@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from ..errors import ConfigError
 from ..engine.distributed import Sharding
 from ..models import base_model
 from ..engine.optim import StreamedAdamW8bit
-from ..planner import Machine, plan_or_none
+from ..planner import Machine, make_plan, run_budget
 from .conflicts import check_layer_swap, check_swapped_training
 from .run_state import RunState
 from .seams import claim_device_map
@@ -17,14 +19,31 @@ from ..engine.fit import CudaProbe, ResidencyFit
 from ..engine.layers import decoder_layers
 from ..engine.swap import LayerSwap
 from ..engine.tiled_mlp import tile_mlps
-from ..models.tiled_layers import TILED_LAYER_CLASSES, tile_decoder_layers
+from ..models.tiled_layers import TILED_LAYER_CLASSES, TILED_LAYER_TAG, tile_decoder_layers
+from ..engine.wrap import on_unwrap, wrapped
 from ..settings import LAYER_SWAP_FIT_STEPS, MLP_TILE_TOKENS, gradients_offloaded
 from ..sysinfo import gpu_budget_gib, host_available_gib
 
 logger = logging.getLogger("offload_trainer")
 
 
-def make_plan(trainer, run: RunState) -> None:
+def apply_gpu_memory_limit(gib: float | None) -> None:
+    """Cap this process's CUDA memory at `gib` GiB (emulates a smaller card on a bigger one)."""
+    if not gib:
+        return
+    if not torch.cuda.is_available():
+        raise ConfigError(f"gpu_memory_limit_gb={gib:g} caps GPU memory, but PyTorch sees no CUDA GPU (a CPU-only "
+                          f"torch build, or no driver). Remove gpu_memory_limit_gb to train on the CPU; "
+                          f"`offload-trainer plan` plans for a GPU without one.")
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if gib * 2**30 >= total:  # (a "24 GB" card has 23.99 GiB: the shipped configs' 24 is that card, not an error)
+        logger.info("gpu_memory_limit_gb=%g is not below this GPU's %.2f GiB: no cap, the card itself is the limit "
+                    "(the plan is made for the lesser of the two)", gib, total / 2**30)
+        return
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
+
+
+def plan_the_run(trainer, run: RunState) -> None:
     """Run the planner once (logged), and let it decide the switches left unset."""
     peft = hasattr(trainer.model, "get_base_model")
     if run.plan is not None or not (run.streaming or peft):
@@ -44,13 +63,10 @@ def make_plan(trainer, run: RunState) -> None:
     others = reference_model_gib(trainer)
     if others:
         logger.info("plan: the reference model holds %.2f GiB of the GPU beside the trained one", others)
-    try:
-        # (the host's RAM too, as the command plans: speculative clipping is chosen only where it has room)
-        run.plan = plan_or_none(run.settings, config, seq, required=False, gpu_gb=gpu_gb, host_gb=host_available_gib(),
-                                lora_params=lora, weight_bits=bits, other_models_gib=others)
-    except (AttributeError, TypeError):  # not a decoder-only LM config the planner reads
-        logger.info("no plan: the model's config has no shape the planner reads")
-        return
+    # (the host's RAM too, as the command plans: speculative clipping is chosen only where it has room)
+    budget = run_budget(run.settings, gpu_gb=gpu_gb, host_gb=host_available_gib(), other_models_gib=others)
+    run.plan = make_plan(run.settings, budget, required=False, config=config, seq=seq, lora_params=lora,
+                         weight_bits=bits)
     if run.plan is None:
         return
     logger.info("plan:\n%s", run.plan.table())
@@ -59,8 +75,6 @@ def make_plan(trainer, run: RunState) -> None:
 def reference_model_gib(trainer) -> float:
     """GiB of a frozen model the trainer also runs on the GPU: TRL's `ref_model` (DPO, KTO; None with PEFT, whose
     disabled adapters give the reference)."""
-    import torch
-
     ref = getattr(trainer, "ref_model", None)
     if not isinstance(ref, torch.nn.Module) or ref is trainer.model:
         return 0.0
@@ -110,7 +124,7 @@ def install_layer_swap(trainer, run: RunState) -> None:
     layers = decoder_layers(inner) if inner is not None else None
     check_layer_swap(run.settings, model_init=trainer.model_init, layers=layers, streaming=run.streaming)
     if setting is None:
-        make_plan(trainer, run)
+        plan_the_run(trainer, run)
         if run.plan is None:
             raise ConfigError("layer_swap: auto asks the planner, which models decoder-only LMs trained on "
                               "tokenized sequences; give the number of layers to keep on the GPU instead "
@@ -131,6 +145,7 @@ def install_layer_swap(trainer, run: RunState) -> None:
     if resident < len(layers):  # (pinning several GiB takes seconds: said before it starts)
         logger.info("layer swap: pinning %d of %d decoder layers in CPU memory", len(layers) - resident, len(layers))
     run.swap = swap = LayerSwap(layers, device, resident=resident, prefetch=run.settings.layer_swap_prefetch)
+    on_unwrap(model, lambda: _let_go_of_layers(run))
     check_swapped_training(swap.trainable_swapped, run.streaming)
     claim_device_map(model, layers, device, swap.swapped_indices)
     if setting is None and device.type == "cuda" and run.settings.world_size == 1:
@@ -142,6 +157,16 @@ def install_layer_swap(trainer, run: RunState) -> None:
                 "%.2f GiB of GPU slots, prefetch %d", stats["resident_layers"], len(layers), device,
                 stats["swapped_layers"], stats["host_bytes"] / 2**30, stats["gpu_slot_bytes"] / 2**30,
                 swap.prefetch)
+
+
+def _let_go_of_layers(run: RunState) -> None:
+    """The layer swap lets go of the model (`wrap.unwrap`): its hooks removed, each swapped layer's weights left in
+    (pinned) CPU memory, where `hf_device_map` says they are."""
+    swap, run.swap, run.fit = run.swap, None, None
+    if swap is not None:
+        swap.offload_all()
+        swap.synchronize()
+        swap.remove()
 
 
 def install_tiling(trainer, run: RunState) -> None:
@@ -160,7 +185,7 @@ def install_tiling(trainer, run: RunState) -> None:
                     "projections, residuals and MLP; each tile recomputed in backward)", n, len(layers),
                     MLP_TILE_TOKENS)
         if n < len(layers):
-            kinds = sorted({type(m).__name__ for m in layers if not getattr(m, "_tiled_layer", None)})
+            kinds = sorted({type(m).__name__ for m in layers if not wrapped(m, TILED_LAYER_TAG)})
             logger.warning("tiled layers: %s run whole (tiled layers know %s); their MLPs are tiled",
                            ", ".join(kinds), ", ".join(TILED_LAYER_CLASSES))
     if run.first_time("tiled mlp"):
@@ -222,6 +247,7 @@ def streamed_optimizer(trainer, run: RunState, model=None):
         device_state_bytes=on_device,
     )
     opt.attach(model)
+    on_unwrap(model, opt.detach)
     if run.swap is not None:
         opt.set_residency(run.swap.touch, ahead=run.swap.prefetch, swapped=run.swap.swaps)
     opt.sync_weights()  # data parallel: every rank starts from rank 0's weights

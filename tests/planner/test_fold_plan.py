@@ -3,7 +3,8 @@ accumulation whose plan fits, each planned as micro-batches of `batch * j`, `acc
 import pytest
 
 from offload_trainer.models import architecture_config
-from offload_trainer.planner import PlanError, plan, plan_for_run
+from offload_trainer.planner import PlanError, plan_for_run, run_budget, run_shape
+from offload_trainer.planner import plan_from_keywords as plan
 from offload_trainer.settings import OffloadSettings, parse_fold
 
 BUDGET = dict(gpu_memory_limit_gb=24, host_memory_gb=57, device_states="auto", activation_offload=None,
@@ -58,8 +59,9 @@ def test_a_fold_given_is_planned_as_given_or_refused():
 def test_without_a_gpu_budget_auto_folds_nothing_and_a_count_folds():
     cfg = architecture_config("tiny-llama")
     auto = OffloadSettings(batch=2, accumulation=4, max_grad_norm=1.0)
-    assert plan_for_run(auto, cfg, 128).fold == 1
-    assert plan_for_run(OffloadSettings(batch=2, accumulation=4, fold=2), cfg, 128).fold == 2
+    assert plan_for_run(auto, run_shape(cfg, 128), run_budget(auto)).fold == 1
+    two = OffloadSettings(batch=2, accumulation=4, fold=2)
+    assert plan_for_run(two, run_shape(cfg, 128), run_budget(two)).fold == 2
 
 
 def test_fold_words_and_counts():

@@ -6,7 +6,7 @@ import pytest
 
 from offload_trainer import cli, sysinfo
 from offload_trainer.models import architecture_config
-from offload_trainer.planner import HostPlanError, PlanError, machine_for, plan
+from offload_trainer.planner import HostPlanError, PlanError, machine_for, plan_from_keywords as plan
 
 # what a machine of N GB leaves a run: N * 1e9 bytes less what an OS and a desktop keep (2.6 GiB)
 AVAILABLE = {32: 27.2, 64: 57.0, 128: 116.6}
@@ -65,16 +65,16 @@ def test_without_the_key_the_plan_is_for_what_is_available(capsys, monkeypatch):
 
 def test_train_plans_for_the_lesser_of_the_key_and_what_is_available():
     """(`plan` plans for the key on any machine; a run plans for what it can have: the key, or less)"""
-    from offload_trainer.planner import plan_for_run
+    from offload_trainer.planner import plan_for_run, run_budget, run_shape
     from offload_trainer.settings import OffloadSettings
 
     s = OffloadSettings(batch=4, max_grad_norm=1.0, host_memory_limit_gb=57, gpu_memory_limit_gb=24)
     cfg = architecture_config("llama3-8b")
-    short = plan_for_run(s, cfg, 2048, host_gb=40.0)
+    short = plan_for_run(s, run_shape(cfg, 2048), run_budget(s, host_gb=40.0))
     assert (short.host_budget_gib, short.host_budget_source) == (40.0, "available on this machine, less than "
                                                                        "host_memory_limit_gb")
     assert not short.speculative_clipping and "of 40.0 GiB (available on this machine, less" in short.table()
-    roomy = plan_for_run(s, cfg, 2048, host_gb=120.0)
+    roomy = plan_for_run(s, run_shape(cfg, 2048), run_budget(s, host_gb=120.0))
     assert (roomy.host_budget_gib, roomy.host_budget_source) == (57, "host_memory_limit_gb")
     assert roomy.speculative_clipping
 
@@ -138,33 +138,37 @@ def test_the_key_is_checked_and_resolved_once():
 
 
 def test_when_a_plan_error_stops_a_run(caplog):
-    """The one rule the command and the Trainer follow (`plan_or_none`): no plan fitting the card's own memory, or an
+    """The one rule the command and the Trainer follow (`make_plan`): no plan fitting the card's own memory, or an
     architecture the planner does not know, is said and training goes on; a plan asked for, a GPU cap, or a host
     short of every plan (the kernel would kill the run) stops it."""
     from types import SimpleNamespace
 
-    from offload_trainer.planner import PlanError, UnknownArchitecture, plan_or_none
+    from offload_trainer.planner import PlanError, UnknownArchitecture, make_plan, run_budget
     from offload_trainer.settings import OffloadSettings
 
     config = architecture_config("llama3-8b")
     settings = OffloadSettings(offload_optimizer=True, batch=4, checkpointing=True)
+
+    def planned(s, model, required, **machine):
+        return make_plan(s, run_budget(s, **machine), required=required, config=model, seq=2048)
+
     with caplog.at_level("WARNING", logger="offload_trainer"):
-        assert plan_or_none(settings, config, 2048, required=False, gpu_gb=4.0, host_gb=100.0) is None
+        assert planned(settings, config, False, gpu_gb=4.0, host_gb=100.0) is None
     assert "the planner finds no plan that fits this GPU (4.0 GiB)" in caplog.text
     with pytest.raises(PlanError):
-        plan_or_none(settings, config, 2048, required=True, gpu_gb=4.0, host_gb=100.0)
+        planned(settings, config, True, gpu_gb=4.0, host_gb=100.0)
     with pytest.raises(PlanError):
-        plan_or_none(OffloadSettings(offload_optimizer=True, batch=4, checkpointing=True, gpu_memory_limit_gb=4.0),
-                     config, 2048, required=False, host_gb=100.0)
+        planned(OffloadSettings(offload_optimizer=True, batch=4, checkpointing=True, gpu_memory_limit_gb=4.0),
+                config, False, host_gb=100.0)
     with pytest.raises(HostPlanError):
-        plan_or_none(settings, config, 2048, required=False, gpu_gb=22.6, host_gb=4.0)
+        planned(settings, config, False, gpu_gb=22.6, host_gb=4.0)
     unknown = SimpleNamespace(model_type="no-such-model")
     caplog.clear()
     with caplog.at_level("WARNING", logger="offload_trainer"):
-        assert plan_or_none(settings, unknown, 2048, required=False, gpu_gb=22.6, host_gb=100.0) is None
+        assert planned(settings, unknown, False, gpu_gb=22.6, host_gb=100.0) is None
     assert "no plan: " in caplog.text
     with pytest.raises(UnknownArchitecture):
-        plan_or_none(settings, unknown, 2048, required=True, gpu_gb=22.6, host_gb=100.0)
+        planned(settings, unknown, True, gpu_gb=22.6, host_gb=100.0)
 
 
 def test_a_refusal_names_what_refused_it(capsys, tiny_machine):

@@ -7,7 +7,7 @@ import pytest
 
 from offload_trainer import cli
 from offload_trainer.models import architecture_config
-from offload_trainer.planner import GiB, HostPlanError, ModelShape, PlanError, plan
+from offload_trainer.planner import GiB, HostPlanError, ModelShape, PlanError, plan_from_keywords as plan
 
 
 @pytest.mark.parametrize("name, params", [
@@ -37,23 +37,23 @@ def test_the_host_peak_of_a_trainer_plan_counts_a_save_shard():
     writing it. Run 20261201-s20c, `offload-trainer train configs/llama3-8b-full-24gb.yaml` at f0cf39d: 15.80 GiB
     logged during training, 17.65 GiB peak with the final save. With LoRA the command also saves a merged model: a
     full shard as well; a tiny model's shard is its whole weights."""
-    from offload_trainer.planner import SAVE_SHARD_BYTES, plan_for_run
+    from offload_trainer.planner import SAVE_SHARD_BYTES, plan_for_run, run_budget, run_shape
     from offload_trainer.settings import OffloadSettings
 
     cfg = architecture_config("llama3-8b")
     args = OffloadSettings(batch=4, max_grad_norm=0.0, gpu_memory_limit_gb=24, device_states="auto")
     bare = plan(cfg, batch=4, seq=2048, gpu_memory_limit_gb=24, max_grad_norm=0, device_states="auto",
                 activation_offload=None, offload_gradients=None)
-    p = plan_for_run(args, cfg, 2048)
+    p = plan_for_run(args, run_shape(cfg, 2048), run_budget(args))
     assert p.save_shard_gib == SAVE_SHARD_BYTES / GiB == pytest.approx(1.86, abs=0.01)
     assert p.host_peak_gib == pytest.approx(bare.host_peak_gib + SAVE_SHARD_BYTES / GiB)
     assert p.host_peak_gib == pytest.approx(17.65, rel=0.05)  # measured, save included
     assert p.gpu_peak_gib == bare.gpu_peak_gib and p.pinned_gib == bare.pinned_gib
     assert "with a save's 1.9 GiB shard" in p.table()
-    lora = plan_for_run(args, cfg, 2048, lora_params=1_000_000)
+    lora = plan_for_run(args, run_shape(cfg, 2048, lora_params=1_000_000), run_budget(args))
     assert lora.save_shard_gib == SAVE_SHARD_BYTES / GiB
     tiny = architecture_config("tiny-llama")
-    small = plan_for_run(args, tiny, 128)
+    small = plan_for_run(args, run_shape(tiny, 128), run_budget(args))
     assert small.save_shard_gib == pytest.approx(2 * ModelShape.from_config(tiny).params / GiB)
 
 
@@ -479,10 +479,11 @@ def test_float32_weights_are_planned_at_four_bytes():
     assert fp32.breakdown["weights"] == pytest.approx(2 * bf16.breakdown["weights"])
     from types import SimpleNamespace
 
-    from offload_trainer.planner import plan_for_run
+    from offload_trainer.planner import plan_for_run, run_budget, run_shape
     from offload_trainer.settings import OffloadSettings
 
-    got = plan_for_run(OffloadSettings(batch=1), cfg, 512, model_args=SimpleNamespace(torch_dtype="float32"))
+    one = OffloadSettings(batch=1)
+    got = plan_for_run(one, run_shape(cfg, 512, model_args=SimpleNamespace(torch_dtype="float32")), run_budget(one))
     assert got.breakdown["weights"] == pytest.approx(fp32.breakdown["weights"])
 
 
@@ -634,12 +635,12 @@ def test_a_cap_above_the_card_plans_for_the_card():
     """gpu_memory_limit_gb above what the GPU has (the shipped configs' 24 on a "24 GB" card of 23.99 GiB): the plan is
     made for the card's own budget, the lesser; a cap below it is the plan's budget; from a machine without a GPU,
     the cap alone."""
-    from offload_trainer.planner import plan_for_run
+    from offload_trainer.planner import plan_for_run, run_budget, run_shape
     from offload_trainer.settings import OffloadSettings
 
     cfg = architecture_config("llama3-8b")
     s = OffloadSettings(gpu_memory_limit_gb=24.0, batch=4, max_grad_norm=0.0, checkpointing=True)
-    assert plan_for_run(s, cfg, 2048, gpu_gb=23.29).gpu_budget_gib == 23.29
-    assert plan_for_run(s, cfg, 2048, gpu_gb=80.0).gpu_budget_gib == 24.0
-    assert plan_for_run(s, cfg, 2048, gpu_gb=None).gpu_budget_gib == 24.0
+    assert plan_for_run(s, run_shape(cfg, 2048), run_budget(s, gpu_gb=23.29)).gpu_budget_gib == 23.29
+    assert plan_for_run(s, run_shape(cfg, 2048), run_budget(s, gpu_gb=80.0)).gpu_budget_gib == 24.0
+    assert plan_for_run(s, run_shape(cfg, 2048), run_budget(s, gpu_gb=None)).gpu_budget_gib == 24.0
 
