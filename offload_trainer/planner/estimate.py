@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 from ..engine.sizes import STATE_BYTES_PER_VALUE
 from ..settings import MLP_TILE_TOKENS
+from .inputs import RunShape
 from .shape import GiB, Machine, ModelShape
 
 # the allocator's slack past the MLP's intermediates: a base and whole-sequence hidden tensors (see `_gpu_phase`);
@@ -19,32 +20,37 @@ SLACK_BASE_GIB, SLACK_HIDDEN_TENSORS, SLACK_HIDDEN_TENSORS_TILED_LAYERS = 2.87, 
 
 @dataclass(frozen=True)
 class Step:
-    """What the search holds fixed for one micro-batch shape: the model, the optimizer's streaming, the launch.
-    `clip`: max_grad_norm > 0. `lora`: adapter parameters on a frozen base of `weight_bits` (16, or 4 for NF4).
-    `accum`: micro-batches per optimizer step. Data parallel over `ranks` processes (`node_ranks` of them on this
-    host): each holds 1/ranks of the states; GPU figures are per process, host figures per node. `wb`: bytes per
-    value of the model's dtype (weights, gradients, activations: 2 for bf16, 4 for float32); the 8-bit states are 2
-    bytes per value whatever it is. `save_shard`: host bytes a save adds. `workers`: the data loader's worker
-    processes (each process's)."""
+    """What the search holds fixed for one micro-batch shape: what trains (`run`: the model, LoRA / QLoRA, the
+    weights' bytes, a save's shard), the optimizer's streaming, the launch. `clip`: max_grad_norm > 0. `accum`:
+    micro-batches per optimizer step. Data parallel over `ranks` processes (`node_ranks` of them on this host): each
+    holds 1/ranks of the states; GPU figures are per process, host figures per node. The 8-bit states are 2 bytes
+    per value whatever the model's dtype. `workers`: the data loader's worker processes (each process's)."""
 
-    shape: ModelShape
-    params: int
+    run: RunShape
     clip: bool
     loss_chunk: int
     chunk_numel: int
     inflight: int
     machine: Machine
-    lora: int = 0
-    weight_bits: int = 16
     accum: int = 1
     ranks: int = 1
     node_ranks: int = 1
     fused_update: bool = True
-    save_shard: int = 0
-    wb: int = 2
     workers: int = 0
     swap_slots: int = 3
     block: int = 256
+
+    @property
+    def params(self) -> int:
+        return self.run.n
+
+    @property
+    def shape(self) -> ModelShape:
+        return self.run.model
+
+    @property
+    def wb(self) -> int:
+        return self.run.weight_bytes
 
 
 @dataclass(frozen=True)
@@ -70,16 +76,16 @@ class Choice:
 
 def estimate(step: Step, choice: Choice) -> dict:
     """Memory of one micro-batch; traffic and time of one optimizer step of `step.accum` micro-batches."""
-    s, c = step, choice
-    L = s.shape.layers
-    x = SimpleNamespace(shape=s.shape, params=s.params, batch=c.batch, seq=c.seq, clip=s.clip, og=c.offload_gradients,
+    s, c, r = step, choice, step.run
+    L = r.model.layers
+    x = SimpleNamespace(shape=r.model, params=r.n, batch=c.batch, seq=c.seq, clip=s.clip, og=c.offload_gradients,
                         act=c.activation_offload, loss_chunk=s.loss_chunk, chunk_numel=s.chunk_numel,
-                        inflight=s.inflight, m=s.machine, swap_slots=s.swap_slots, lora=s.lora,
-                        weight_bits=s.weight_bits, block=s.block, accum=s.accum, ranks=s.ranks,
+                        inflight=s.inflight, m=s.machine, swap_slots=s.swap_slots, lora=r.lora_params,
+                        weight_bits=r.weight_bits, block=s.block, accum=s.accum, ranks=s.ranks,
                         node_ranks=s.node_ranks, fused_update=s.fused_update, device_states=c.device_states,
-                        save_shard=s.save_shard, wb=s.wb, T=c.batch * c.seq,
+                        save_shard=r.save_shard_bytes, wb=r.weight_bytes, T=c.batch * c.seq,
                         swapped=L - (L if c.resident is None else c.resident),
-                        spec=c.speculative and s.clip and not s.lora, tiled=c.tiled or c.tiled_layers,
+                        spec=c.speculative and s.clip and not r.lora_params, tiled=c.tiled or c.tiled_layers,
                         tiled_layers=c.tiled_layers, workers=s.workers)
     _weights(x)
     _gpu_held(x)

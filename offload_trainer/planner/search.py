@@ -106,11 +106,9 @@ def _plan_micro_batch(shape: RunShape, settings: OffloadSettings, budget: Budget
     lora, clip = shape.lora_params, s.clips
     gpu_gb, host_gb = budget.gpu_gb, budget.host_gb
     fixed_states = 0.0 if s.device_states == "auto" or lora else float(s.device_states or 0) * GiB
-    step = Step(model, n, clip=clip, loss_chunk=s.loss_chunk_size, chunk_numel=s.chunk_numel,
-                inflight=s.inflight_chunks, machine=machine, lora=lora, weight_bits=shape.weight_bits,
-                accum=s.accumulation, ranks=budget.ranks, node_ranks=budget.ranks_here,
-                fused_update=s.fused_update is not False, save_shard=shape.save_shard_bytes, wb=shape.weight_bytes,
-                workers=s.data_workers)
+    step = Step(shape, clip=clip, loss_chunk=s.loss_chunk_size, chunk_numel=s.chunk_numel, inflight=s.inflight_chunks,
+                machine=machine, accum=s.accumulation, ranks=budget.ranks, node_ranks=budget.ranks_here,
+                fused_update=s.fused_update is not False, workers=s.data_workers)
     base = dict(params=n, batch=batch, seq=seq, clip=clip, lora_params=lora, rates_of=machine.name,
                 accum=s.accumulation, ranks=budget.ranks, gpu_budget_gib=gpu_gb, host_budget_gib=host_gb,
                 layers=model.layers, device_state_gib=fixed_states / GiB, save_shard_gib=shape.save_shard_bytes / GiB,
