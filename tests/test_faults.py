@@ -654,7 +654,7 @@ def test_sighup_stops_cleanly(tmp_path):
     naming it."""
     import signal
 
-    from offload_trainer.cli import recipe
+    from offload_trainer.cli import stops
     from offload_trainer.settings import OffloadSettings
     from offload_trainer.trainer import guards
     from offload_trainer.trainer.run_state import RunState
@@ -666,7 +666,7 @@ def test_sighup_stops_cleanly(tmp_path):
         time.sleep(0.05)
     assert run.interrupted == signal.SIGHUP and signal.getsignal(signal.SIGHUP) == before
     with pytest.raises(KeyboardInterrupt) as e:
-        with recipe._signals_say_where_the_run_stands(str(tmp_path / "c.yaml"), [f"output_dir={tmp_path}"]):
+        with stops.signals_say_where_the_run_stands(str(tmp_path / "c.yaml"), [f"output_dir={tmp_path}"]):
             os.kill(os.getpid(), signal.SIGHUP)
             time.sleep(0.05)
     assert e.value.signum == signal.SIGHUP and "SIGHUP outside the training loop" in str(e.value)

@@ -1,76 +1,37 @@
-"""`offload-trainer train`, top to bottom: the config checked (config.py), the output directory claimed
-(earlier_run.py), the plan made before any weight loads, the tokenizer, data and model loaded, the OffloadTrainer
-built and run, and the outputs written (model, merged LoRA model, state, plots), each save staged. `offload-trainer
-plan` is its first half."""
+"""`offload-trainer train`, top to bottom, and nothing but the order: the config checked (config.py), the output
+directory claimed (earlier_run.py), the plan made before any weight loads, the tokenizer, data, model and the
+OffloadTrainer built (build.py) and run, and the outputs written (model, merged LoRA model, state, plots), each save
+staged; a stop signal outside the loop answered (stops.py). `offload-trainer plan` is its first half."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import logging
 import os
-import signal
 
 from .. import sysinfo
-from ..errors import ConfigError, TrainingInterrupted, stop_signals_call
+from ..errors import ConfigError
 from ..planner import Machine, ModelShape, run_budget
 from ..settings import OffloadSettings
 from ..trainer import manifest
 from ..trainer.outputs import OutputLock, check_output_dir, check_space, staged_save
-from ..trainer.checkpoint import newest_complete_checkpoint
+from .build import build_trainer, model_config_of
 from .config import load_config, parse_args
-from .earlier_run import (check_earlier_run, configured_output_dir, earlier_run_set_aside, finished_step, ours,
-                          refuse_busy_output_dir)
+from .stops import leave_process_group, signals_say_where_the_run_stands
+from .earlier_run import check_earlier_run, earlier_run_set_aside, finished_step, ours, refuse_busy_output_dir
 
 logger = logging.getLogger("offload_trainer")
+
 
 def train(config: str, overrides: list[str]) -> str:
     """Train from a YAML config; returns the output directory. A SIGINT / SIGTERM / SIGHUP outside the training loop
     (loading, tokenizing, the final save; inside it the Trainer saves and stops cleanly) ends it with a sentence naming
     the last complete checkpoint, as one inside it does."""
     refuse_busy_output_dir(config, overrides)  # in a fraction of a second: before transformers is imported
-    with _signals_say_where_the_run_stands(config, overrides):
+    with signals_say_where_the_run_stands(config, overrides):
         out = _train(config, overrides)
-    _leave_process_group()
+    leave_process_group()
     return out
-
-
-def _leave_process_group() -> None:
-    """torchrun: every rank finished, so its process group is taken down here, while the interpreter is whole. Left
-    to exit, gloo's worker threads can be destroyed still joinable and the process aborts (SIGABRT, "terminate called
-    without an active exception", pytorch/pytorch#190489), failing a finished run. Not after a failure: a rank that
-    raised while others are in a collective would wait in it forever."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP, raised as Ctrl-C is, so that the same clean-up runs."""
-
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
-
-
-@contextlib.contextmanager
-def _signals_say_where_the_run_stands(config: str, overrides: list[str]):
-    def terminated(signum, frame):
-        raise _Terminated(signum)
-
-    try:
-        with stop_signals_call(terminated, with_sigint=False, children_die=True):
-            yield
-    except KeyboardInterrupt as e:
-        if isinstance(e, TrainingInterrupted):
-            raise
-        signum = e.signum if isinstance(e, _Terminated) else signal.SIGINT
-        out = configured_output_dir(config, overrides)
-        ckpt = newest_complete_checkpoint(out) if out else None
-        raise TrainingInterrupted(
-            f"{signal.Signals(signum).name} outside the training loop: "
-            + (f"the last checkpoint is {ckpt} (continue with resume_from_checkpoint: true)" if ckpt else
-               "no checkpoint was saved"), signum, ckpt) from None
 
 
 def _train(config: str, overrides: list[str]) -> str:
@@ -150,42 +111,6 @@ def run_settings(training_args, model_config) -> OffloadSettings:
     return settings_for(OffloadSettings.from_args(training_args), config_blockers(training_args, model_config))
 
 
-def model_config_of(model_args):
-    """The model's config without its weights (a named architecture, or config.json of a checkpoint)."""
-    from ..models import architecture_config
-
-    if model_args.model_config:
-        return architecture_config(model_args.model_config, model_args.model_overrides)
-    from transformers import AutoConfig
-
-    with model_errors(model_args.model_name_or_path, "its config"):
-        from ..models import hub_kwargs
-
-        return AutoConfig.from_pretrained(model_args.model_name_or_path, **hub_kwargs(model_args))
-
-
-try:
-    from safetensors import SafetensorError  # (raised for a truncated or corrupt weights file)
-except ImportError:  # pragma: no cover
-    SafetensorError = OSError
-
-
-@contextlib.contextmanager
-def model_errors(path: str | None, what: str):
-    """from_pretrained's errors for a path (missing, empty, corrupt, truncated, offline Hub id) as one sentence."""
-    try:
-        yield
-    except ConfigError:
-        raise
-    except (OSError, ValueError, SafetensorError) as e:
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        local = path is not None and os.path.isdir(path)
-        fix = ("a transformers model directory holds config.json, the weights (*.safetensors) and the tokenizer files"
-               if local else "a Hub id needs the network, or a copy in the HF cache (HF_HUB_OFFLINE=1 reads only that);"
-               " or give a local directory")
-        raise ConfigError(f"model_name_or_path {path!r}: cannot load {what}: {first}. ({fix})") from None
-
-
 def run_plan(model_args, data_args, settings, budget, model_config, strict: bool = True):
     """The run's plan (`planner.make_plan`, the call the Trainer makes too), None where `train` goes on without one,
     or ConfigError naming what to change (`strict`: `plan`, which refuses an architecture the planner does not
@@ -234,94 +159,6 @@ def final_output_bytes(model_args, model_config) -> int:
     return int(model * 1.05) + 2**20
 
 
-def build_trainer(model_args, data_args, training_args, settings, model_config, plan=None):
-    """(trainer, tokenizer, eval dataset): data, model and the OffloadTrainer over them (with the run's `plan`)."""
-    from transformers import set_seed
-
-    from ..data import build_datasets, data_collator
-    from ..models import DTYPES, count_params, load_model, load_tokenizer, random_init_device
-    from ..trainer import OffloadTrainer
-
-    set_seed(training_args.seed)
-    with model_errors(model_args.tokenizer_name_or_path or model_args.model_name_or_path, "the tokenizer"):
-        tokenizer = load_tokenizer(model_args)
-    vocab = (getattr(model_config, "text_config", None) or model_config).vocab_size
-    processor = None
-    if getattr(model_config, "vision_config", None) is not None:
-        processor, train_ds, eval_ds = image_text_data(model_args, data_args, training_args, model_config, tokenizer)
-    else:  # (rank 0 tokenizes, the others then read its cache)
-        train_ds, eval_ds = build_datasets(data_args, tokenizer, vocab_size=vocab, seed=training_args.seed,
-                                           main_process_first=lambda: training_args.main_process_first(desc="dataset"))
-    if processor is None and hasattr(train_ds, "__len__"):
-        logger.info("data: %d training rows of up to %d tokens%s", len(train_ds), data_args.max_seq_length,
-                    f", {len(eval_ds)} held out" if eval_ds is not None and hasattr(eval_ds, "__len__") else "")
-    swap = settings.layer_swap is not False
-    init_device = None  # a random-init model is built on the GPU: whole where it fits, else layer by layer for the swap
-    if not (model_args.model_name_or_path or getattr(model_args, "load_in_4bit", False)):
-        init_device = training_args.device if swap else random_init_device(
-            ModelShape.from_config(model_config).params, DTYPES[model_args.torch_dtype], training_args.device,
-            settings.gpu_memory_limit_gb)
-    with model_errors(model_args.model_name_or_path, "the weights"):
-        model = load_model(model_args, layerwise=swap,
-                           init_device=init_device)
-    logger.info("model: %s, %.1fM parameters, %s", model_args.model_name_or_path or model_args.model_config,
-                count_params(model) / 1e6, model_args.torch_dtype)
-    if model_args.model_config:  # a random-init model takes its special tokens from the tokenizer it trains with
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            for cfg in (model.config, getattr(model, "generation_config", None)):
-                if cfg is not None:
-                    setattr(cfg, name, getattr(tokenizer, name))
-    if training_args.device.type == "cpu":
-        training_args.dataloader_pin_memory = False  # (pinning needs an accelerator; torch warns at every loader)
-    # Packed rows are all one length: stacking them is all a collator has to do. (The Trainer's default with a
-    # tokenizer, DataCollatorWithPadding, took ~6 ms per 4 x 2048 batch in tokenizer.pad, at every step's start, and
-    # would add an attention mask, which turns off the per-document masks that position_ids give.)
-    trainer = OffloadTrainer(model=model, args=training_args, train_dataset=train_ds, eval_dataset=eval_ds,
-                             processing_class=processor or tokenizer, offload_plan=plan, offload_settings=settings,
-                             data_collator=data_collator(data_args, tokenizer, processor, train_ds))
-    _one_line_per_log(trainer)
-    return trainer, tokenizer, eval_ds
-
-
-def image_text_data(model_args, data_args, training_args, model_config, tokenizer):
-    """(processor, train, eval) for a vision-language model: the model's own processor (or, for a random-init named
-    architecture, one built from its config and the tokenizer), and image-text records, loss on the assistant turns."""
-    from ..data import build_image_text, build_processor
-    from ..models import DTYPES
-
-    if model_args.model_name_or_path:
-        from transformers import AutoProcessor
-
-        from ..models import hub_kwargs
-
-        with model_errors(model_args.model_name_or_path, "the processor"):
-            processor = AutoProcessor.from_pretrained(model_args.model_name_or_path, **hub_kwargs(model_args))
-    else:
-        processor = build_processor(model_config, tokenizer)
-    train_ds, eval_ds = build_image_text(data_args, config=model_config, seed=training_args.seed,
-                                         dtype=DTYPES[model_args.torch_dtype])
-    # The rows are records (messages, image paths) the collator renders: the Trainer must pass them on whole.
-    training_args.remove_unused_columns = False
-    logger.info("data: %d image-text records%s; loss on the assistant turns (images opened per batch)", len(train_ds),
-                f", {len(eval_ds)} held out" if eval_ds is not None else "")
-    return processor, train_ds, eval_ds
-
-
-def _one_line_per_log(trainer) -> None:
-    """The command logs one line per training log (`step N | loss ...`): the Trainer's progress bar stays, without
-    also printing each training log's dict (its evaluation and summary logs it still prints)."""
-    from transformers.trainer_callback import ProgressCallback
-
-    class Progress(ProgressCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs is not None and "loss" in logs:
-                return
-            return super().on_log(args, state, control, logs=logs, **kwargs)
-
-    if trainer.pop_callback(ProgressCallback) is not None:
-        trainer.add_callback(Progress)
-
-
 def write_outputs(trainer, tokenizer, model_args) -> None:
     """The trained model (adapters first with LoRA, each save staged so a failed one leaves nothing complete-looking),
     the trainer state, the plots; pushed to the Hub only once everything is written."""
@@ -353,16 +190,6 @@ def write_outputs(trainer, tokenizer, model_args) -> None:
         trainer.push_to_hub(commit_message="End of training")
         manifest.record(args.output_dir, ["README.md"])  # (the Trainer writes its model card there to push it)
     if args.should_save:  # (the main process: it wrote trainer_state.json)
-        write_plots(args.output_dir)
+        from .report import log_summary_and_plots
 
-
-def write_plots(output_dir: str) -> None:
-    from .report import summary, write_report
-
-    logger.info("run:\n%s", summary(output_dir))
-
-    try:
-        for path in write_report(output_dir):
-            logger.info("plot: %s", path)
-    except ImportError:
-        logger.warning("no plots: matplotlib is not installed (pip install matplotlib)")
+        log_summary_and_plots(args.output_dir)

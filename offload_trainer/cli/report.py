@@ -10,11 +10,15 @@ Trainer's state instead (a run that never saved has no file).
 """
 from __future__ import annotations
 
+import logging
+
 import os
 
 from ..errors import ConfigError
 from ..trainer.outputs import staged_save
 from ..trainer.run_history import run_history
+
+logger = logging.getLogger("offload_trainer")
 
 SERIES = {
     "loss.png": [("loss", "train loss"), ("eval_loss", "eval loss")],
@@ -122,3 +126,14 @@ def write_report(output_dir: str, source=None) -> list[str]:
             plt.close(fig)
             written.append(os.path.join(output_dir, name))
     return written
+
+
+def log_summary_and_plots(output_dir: str) -> None:
+    """The end of `offload-trainer train`: the run's summary in the log, and its plots written (each named)."""
+    logger.info("run:\n%s", summary(output_dir))
+
+    try:
+        for path in write_report(output_dir):
+            logger.info("plot: %s", path)
+    except ImportError:
+        logger.warning("no plots: matplotlib is not installed (pip install matplotlib)")

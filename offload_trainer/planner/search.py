@@ -12,7 +12,7 @@ from ..settings import OffloadSettings
 from .estimate import Choice, Step, estimate
 from .advice import refusal
 from .inputs import Budget, RunShape
-from .shape import GiB, HostPlanError, Machine, ModelShape, PlanError
+from .shape import GiB, HostPlanError, ModelShape, PlanError
 from .table import Plan
 
 # Speculative clipping takes a second bank of 8-bit states and the weights' backups in host memory (2 GiB per 1B

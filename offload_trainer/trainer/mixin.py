@@ -104,8 +104,9 @@ class OffloadMixin:
         """Take every wrapper, hook and mechanism of ours off the model and return it: each module's own forward
         back, no hook of ours, the streamed optimizer and the layer swap detached (swapped layers' weights left in
         CPU memory, as `hf_device_map` says), activation checkpointing as the Trainer set it. Until then the Trainer
-        keeps them for evaluate(), predict() and another train(); after it, this Trainer trains no more (a new one
-        can take the model). `offload-trainer train` hands the model back at its end, and train() at an error."""
+        keeps them for evaluate(), predict() and another train(); a later train() takes the model again (its
+        optimizer states kept), as does a new Trainer given it. `offload-trainer train` hands the model back at its
+        end, and train() at an error."""
         run = self._run
         if not run.handed_back and isinstance(self.model, nn.Module):
             run.synchronize()
@@ -128,9 +129,6 @@ class OffloadMixin:
     def train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         """The Trainer's train(), with output_dir locked against a second run for its duration. An error hands the
         model back (`hand_back_model`): nothing of ours stays on it."""
-        if self._run.handed_back:
-            raise ConfigError("this OffloadTrainer handed its model back (hand_back_model(), or after an error in "
-                              "train()): build a new OffloadTrainer with the model to train it again")
         try:
             if not self.args.should_save:
                 return self._train(resume_from_checkpoint, trial, **kwargs)
@@ -144,11 +142,16 @@ class OffloadMixin:
 
     def _train(self, resume_from_checkpoint=None, trial=None, **kwargs):
         run = self._run
+        if run.handed_back:  # (the Trainer's own optimizer and scheduler states are kept, as across its train()s)
+            run.handed_back = False
+            wiring.install_layer_swap(self, run)
+            if run.optimizer is not None:
+                wiring.attach_optimizer(run, run.optimizer, self.model)
         wiring.plan_the_run(self, run)
         fold.start(run, self.args.per_device_train_batch_size)
         wiring.install_tiling(self, run)
-        if run.settings.checkpointing and run.first_time("plain stacks") and seams.checkpoint_plain_stacks(
-                self.accelerator.unwrap_model(self.model)):
+        if run.settings.checkpointing and seams.checkpoint_plain_stacks(
+                self.accelerator.unwrap_model(self.model)) and run.first_time("plain stacks"):
             logger.info("activation checkpointing: also the layers transformers does not checkpoint (a vision encoder's)")
         resume_from_checkpoint = staging.resolve_resume(self, run, resume_from_checkpoint)
         staging.check_disk(self, run)

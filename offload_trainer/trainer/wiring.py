@@ -179,20 +179,22 @@ def install_tiling(trainer, run: RunState) -> None:
     layers = decoder_layers(base_model(trainer.model))
     if layers is None:
         return
-    if tiled_layers and run.first_time("tiled layers"):
-        n = tile_decoder_layers(layers, MLP_TILE_TOKENS)
-        logger.info("tiled layers: %d of %d decoder layers run in tiles of %d tokens around their attention (norms, "
-                    "projections, residuals and MLP; each tile recomputed in backward)", n, len(layers),
-                    MLP_TILE_TOKENS)
-        if n < len(layers):
-            kinds = sorted({type(m).__name__ for m in layers if not wrapped(m, TILED_LAYER_TAG)})
-            logger.warning("tiled layers: %s run whole (tiled layers know %s); their MLPs are tiled",
-                           ", ".join(kinds), ", ".join(TILED_LAYER_CLASSES))
-    if run.first_time("tiled mlp"):
-        n = tile_mlps(layers, MLP_TILE_TOKENS)
-        if tiled_mlp:
-            logger.info("tiled MLP: %d MLPs run in tiles of %d tokens, each recomputed in backward (their "
-                        "intermediate activations exist for one tile at a time)", n, MLP_TILE_TOKENS)
+    # (a module tiled already is left as it is: a train() after hand_back_model() tiles the modules again; said once)
+    if tiled_layers:
+        tile_decoder_layers(layers, MLP_TILE_TOKENS)
+        n = sum(wrapped(m, TILED_LAYER_TAG) for m in layers)
+        if run.first_time("tiled layers"):
+            logger.info("tiled layers: %d of %d decoder layers run in tiles of %d tokens around their attention "
+                        "(norms, projections, residuals and MLP; each tile recomputed in backward)", n, len(layers),
+                        MLP_TILE_TOKENS)
+            if n < len(layers):
+                kinds = sorted({type(m).__name__ for m in layers if not wrapped(m, TILED_LAYER_TAG)})
+                logger.warning("tiled layers: %s run whole (tiled layers know %s); their MLPs are tiled",
+                               ", ".join(kinds), ", ".join(TILED_LAYER_CLASSES))
+    n = tile_mlps(layers, MLP_TILE_TOKENS)
+    if tiled_mlp and run.first_time("tiled mlp"):
+        logger.info("tiled MLP: %d MLPs run in tiles of %d tokens, each recomputed in backward (their intermediate "
+                    "activations exist for one tile at a time)", n, MLP_TILE_TOKENS)
 
 
 def gpu_limit_bytes(settings) -> int | None:
@@ -246,10 +248,7 @@ def streamed_optimizer(trainer, run: RunState, model=None):
         fused=s.fused_update,
         device_state_bytes=on_device,
     )
-    opt.attach(model)
-    on_unwrap(model, opt.detach)
-    if run.swap is not None:
-        opt.set_residency(run.swap.touch, ahead=run.swap.prefetch, swapped=run.swap.swaps)
+    attach_optimizer(run, opt, model)
     opt.sync_weights()  # data parallel: every rank starts from rank 0's weights
     trainer.optimizer = opt
     mode = ("during backward, clipped to max_grad_norm speculatively (a step whose clip fires is rolled back and "
@@ -264,6 +263,14 @@ def streamed_optimizer(trainer, run: RunState, model=None):
                 + (f"; up to {opt.device_state_bytes / 2**30:.2f} GiB of them (the model's first "
                    f"tensors) kept on the GPU" if opt.device_state_bytes else ""))
     return opt
+
+
+def attach_optimizer(run: RunState, opt, model) -> None:
+    """The streamed optimizer's hooks on `model` (taken off again by `wrap.unwrap`), over the layer swap's layers."""
+    opt.attach(model)
+    on_unwrap(model, opt.detach)
+    if run.swap is not None:
+        opt.set_residency(run.swap.touch, ahead=run.swap.prefetch, swapped=run.swap.swaps)
 
 
 def say_not_streaming(trainer, run: RunState, optimizer, model=None) -> None:
