@@ -786,9 +786,9 @@ def test_json_nested_too_deep(ext, tmp_path, capsys, no_model_load):
 
 
 @pytest.mark.parametrize("body, limit, needle", [
-    ("{{ 'x' * 2000000 }}", {}, "writes 2,000,0"),
+    ("{{ 'x' * 2000000 }}", {}, "a two-message conversation writes 2,000,0"),
     ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", {"TEMPLATE_SECONDS": 1.0},
-     "runs longer than 1 s"),
+     "the probe's and the dataset's first conversations runs longer than 1 s"),
     ("{% set big = 'x' * 1000000000 %}{{ big | length }}", {"TEMPLATE_MEMORY": 256 << 20}, "needs more than 0.25 GiB"),
 ], ids=["output", "time", "memory"])
 def test_chat_template_limits(body, limit, needle, tmp_path, capsys, monkeypatch, no_model_load):
@@ -802,7 +802,24 @@ def test_chat_template_limits(body, limit, needle, tmp_path, capsys, monkeypatch
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}" + body)
     expect(Case(tmp_path, f"dataset_path: builtin-sft\nchat_template: {template}\n"), capsys, 2,
-           "chat_template: rendering a two-message conversation", needle)
+           "chat_template: rendering ", needle)
+
+
+@pytest.mark.parametrize("where, needle", [
+    ("{% if messages[0].role == 'system' %}{{ 'x' * 2000000 }}{% endif %}", "the probe's conversation 2 of 3"),
+    ("{% if 'Paris' in messages[0].content %}{{ 'x' * 2000000 }}{% endif %}", "the dataset's record 1"),
+], ids=["system-prompt-only", "first-record-only"])
+def test_chat_template_limits_past_the_first_probe(where, needle, tmp_path, capsys, no_model_load):
+    """A template that does its heavy work only for a system prompt, or only for what the data holds, passed the
+    two-message probe and then hung the run on the records: it renders the probe's conversations and the dataset's
+    first records under the limits."""
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}" + where)
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "What is the capital of France? Paris?"},
+                                             {"role": "assistant", "content": "Paris."}]}) + "\n")
+    expect(Case(tmp_path, f"dataset_path: {data}\nchat_template: {template}\n"), capsys, 2,
+           f"chat_template: rendering {needle} writes 2,000,0")
 
 
 def test_every_row_has_a_test():

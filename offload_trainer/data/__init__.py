@@ -13,8 +13,8 @@ import os
 import torch
 
 from ..errors import DataError
-from .formats import (IGNORE_INDEX, ROW, Tokenize, check_template_limits, detect_format, has_generation_markers,
-                      say_untrained, tokenize_batch)
+from .formats import (IGNORE_INDEX, PROBE_RECORDS, ROW, Tokenize, check_template_limits, detect_format,
+                      has_generation_markers, say_untrained, tokenize_batch)
 from .packing import STATS, STRATEGIES, PaddingCollator, pack_batch, truncate_batch
 from .sources import BUILTIN, cause_of, check_source, load, not_utf8, resolve
 from .vision import ImageTextCollator, ImageTextRecords, RandomImageText, build_processor
@@ -88,7 +88,7 @@ def build_datasets(data_args, tokenizer, *, vocab_size: int, seed: int = 0, main
         name = data_args.dataset_path
         fmt = detect_format(_columns(train_raw), data_args.dataset_text_field, f"dataset {name!r}")
         if fmt in ("messages", "prompt_completion"):
-            check_template_limits(tokenizer)
+            check_template_limits(tokenizer, _first_conversations(train_raw, fmt))
         spec = Tokenize(fmt=fmt, text_field=data_args.dataset_text_field,
                         assistant_only=data_args.assistant_only_loss,
                         completion_only=data_args.completion_only_loss is not False,
@@ -100,6 +100,22 @@ def build_datasets(data_args, tokenizer, *, vocab_size: int, seed: int = 0, main
         evald = None if eval_raw is None else _prepare(eval_raw, data_args, tokenizer, spec, vocab_size,
                                                        f"{name} (eval)")
     return train, evald
+
+
+def _first_conversations(raw, fmt: str) -> list:
+    """The first records' conversations (messages; or a conversational prompt and completion, joined), for the chat
+    template's probe: of a map-style dataset only (a stream is not read ahead)."""
+    if not hasattr(raw, "__len__"):
+        return []
+    found = []
+    for i in range(min(len(raw), PROBE_RECORDS)):
+        row = raw[i]
+        parts = [row.get("messages")] if fmt == "messages" else [row.get("prompt"), row.get("completion")]
+        if all(isinstance(p, list) for p in parts):
+            turns = [t for p in parts for t in p]
+            if turns and all(isinstance(t, dict) for t in turns):
+                found.append(turns)
+    return found
 
 
 def _template(value: str) -> str:

@@ -227,45 +227,68 @@ def _need_template(tok, where: str) -> None:
 # A chat template is code: rendered once on a small conversation before any record, in a child process held to
 # these limits (a template doing `'x' * 10**8` per record, or looping, hung or exhausted the run before any word)
 TEMPLATE_SECONDS, TEMPLATE_CHARS, TEMPLATE_MEMORY = 20.0, 1_000_000, 4 << 30
-_PROBE = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}]
+# conversations every template is probed with: two messages, a system prompt, several turns (a template may do its
+# heavy work for one role or one turn only)
+_PROBES = ([{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}],
+           [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello."},
+            {"role": "assistant", "content": "Hi."}],
+           [{"role": "user", "content": "One."}, {"role": "assistant", "content": "1."},
+            {"role": "user", "content": "Two."}, {"role": "assistant", "content": "2."}])
+PROBE_RECORDS = 3  # and the dataset's first conversations
 
 
-def check_template_limits(tok) -> None:
-    """DataError when the tokenizer's chat template, rendering a two-message conversation, runs longer than
-    TEMPLATE_SECONDS, writes more than TEMPLATE_CHARS characters, or needs more than TEMPLATE_MEMORY bytes. A
-    template that fails on the probe for its own reasons (a role it refuses) is left to the records to show."""
+def check_template_limits(tok, conversations=()) -> None:
+    """DataError when the tokenizer's chat template, rendering the probe's conversations (`_PROBES`) and the dataset's
+    first `conversations` (up to PROBE_RECORDS), runs longer than TEMPLATE_SECONDS in all, writes more than
+    TEMPLATE_CHARS characters for one, or needs more than TEMPLATE_MEMORY bytes. A conversation the template fails
+    on for its own reasons (a role it refuses) is left to the records to show."""
     import multiprocessing as mp
 
     if not getattr(tok, "chat_template", None) or os.name != "posix":
         return
+    probes = [*_PROBES, *list(conversations)[:PROBE_RECORDS]]
     ctx = mp.get_context("fork")
     recv, send = ctx.Pipe(duplex=False)
-    child = ctx.Process(target=_render_probe, args=(tok, send), daemon=True)
+    child = ctx.Process(target=_render_probe, args=(tok, probes, send), daemon=True)
     child.start()
     send.close()
-    got = recv.recv() if recv.poll(TEMPLATE_SECONDS) else "time"
+    got = recv.recv() if recv.poll(TEMPLATE_SECONDS) else ("time", None)
     child.kill()
     child.join()
-    if got in ("time", "memory") or (isinstance(got, int) and got > TEMPLATE_CHARS):
-        what = (f"runs longer than {TEMPLATE_SECONDS:g} s" if got == "time" else
-                f"needs more than {TEMPLATE_MEMORY / 2**30:g} GiB" if got == "memory" else f"writes {got:,} characters")
-        raise DataError(f"chat_template: rendering a two-message conversation {what} (the limits: "
-                        f"{TEMPLATE_SECONDS:g} s, {TEMPLATE_CHARS:,} characters, {TEMPLATE_MEMORY / 2**30:g} GiB): "
-                        f"every record renders through it. Fix the template (a model's own renders in milliseconds)")
+    what, which = got
+    if what in ("time", "memory") or (isinstance(what, int) and what > TEMPLATE_CHARS):
+        too = (f"runs longer than {TEMPLATE_SECONDS:g} s" if what == "time" else
+               f"needs more than {TEMPLATE_MEMORY / 2**30:g} GiB" if what == "memory" else f"writes {what:,} characters")
+        whose = ("the probe's and the dataset's first conversations" if which is None else "a two-message conversation" if which == 0 else
+                 f"the probe's conversation {which + 1} of {len(_PROBES)}" if which < len(_PROBES) else
+                 f"the dataset's record {which - len(_PROBES) + 1}")
+        raise DataError(f"chat_template: rendering {whose} {too} (the limits: {TEMPLATE_SECONDS:g} s for "
+                        f"{len(probes)} conversations, {TEMPLATE_CHARS:,} characters, "
+                        f"{TEMPLATE_MEMORY / 2**30:g} GiB): every record renders through it. Fix the template (a "
+                        f"model's own renders in milliseconds)")
 
 
-def _render_probe(tok, send) -> None:
+def _render_probe(tok, probes, send) -> None:
+    """In the child: (the longest rendering's characters, its index), or ("memory", index)."""
     import resource
 
     with open("/proc/self/statm") as f:  # (pages of address space the fork already has: CUDA maps a lot)
         mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
     resource.setrlimit(resource.RLIMIT_AS, (mapped + TEMPLATE_MEMORY, resource.RLIM_INFINITY))
-    try:
-        send.send(len(tok.apply_chat_template(_PROBE, tokenize=False)))
-    except MemoryError:
-        send.send("memory")
-    except Exception:  # noqa: BLE001 (the template's own error: the records will show it, with their row)
-        send.send(0)
+    longest = (0, 0)
+    for i, conversation in enumerate(probes):
+        try:
+            n = len(tok.apply_chat_template(conversation, tokenize=False))
+        except MemoryError:
+            send.send(("memory", i))
+            return
+        except Exception:  # noqa: BLE001 (the template's own error: the records will show it, with their row)
+            continue
+        if n > TEMPLATE_CHARS:
+            send.send((n, i))
+            return
+        longest = max(longest, (n, i))
+    send.send(longest)
 
 
 def _eos(tok) -> list[int]:
