@@ -747,3 +747,47 @@ def test_a_stop_signal_during_the_stacks_import_waits_for_it(tmp_path):
             assert seen == []  # (held)
         time.sleep(0.05)
         assert seen == [signal.SIGTERM]  # (answered on the way out, by the handler of before)
+
+
+def _host_planned_run(tmp_path, host_gb_above_peak=None, **kw):
+    """A tiny streamed run with a plan made for a host budget: far above its peak, or `host_gb_above_peak` over it."""
+    from helpers import tiny_setup
+    from offload_trainer import OffloadTrainer, OffloadTrainingArguments, plan
+
+    model, tok, train = tiny_setup(seq=32, layers=1)
+    args = OffloadTrainingArguments(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
+                                    offload_optimizer=True, max_grad_norm=0.0, logging_steps=1, save_strategy="no",
+                                    report_to="none", **kw)
+    roomy = plan(model.config, batch=2, seq=32, max_grad_norm=0.0, host_memory_gb=1000.0)
+    budget = 1000.0 if host_gb_above_peak is None else roomy.host_peak_gib + host_gb_above_peak
+    the_plan = plan(model.config, batch=2, seq=32, max_grad_norm=0.0, host_memory_gb=budget)
+    return OffloadTrainer(model=model, args=args, train_dataset=train, offload_plan=the_plan)
+
+
+@pytest.mark.slow
+def test_host_memory_running_low_saves_a_checkpoint_and_stops(tmp_path, monkeypatch, caplog):
+    """Where a plan was made for a host budget, the run reads the memory left after each step: when it falls under
+    what a checkpoint's save needs (its shard and a margin), the run saves a checkpoint and stops with a sentence
+    (`TrainingStopped`, the command's exit 3), where the kernel would have ended it with SIGKILL and nothing saved. A
+    plan that fits only just is said at the start; a roomy one is not."""
+    import logging
+
+    from offload_trainer.errors import TrainingStopped
+    from offload_trainer.trainer import guards
+
+    left = iter([50.0, 0.01])
+    monkeypatch.setattr(guards, "host_memory_left", lambda: next(left))
+    trainer = _host_planned_run(tmp_path / "low")
+    with caplog.at_level(logging.WARNING, logger="offload_trainer"), \
+            pytest.raises(TrainingStopped, match=r"host memory ran low: 0\.01 GiB left after step 2, under the") as e:
+        trainer.train()
+    assert "Saved " in str(e.value) and "checkpoint-2" in str(e.value)
+    assert (tmp_path / "low" / "checkpoint-2" / "model.safetensors").exists()
+    assert trainer.state.global_step == 2
+    assert "the plan needs" not in caplog.text  # (a roomy plan: nothing said at the start)
+
+    monkeypatch.setattr(guards, "host_memory_left", lambda: 50.0)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload_trainer"):
+        _host_planned_run(tmp_path / "thin", host_gb_above_peak=0.5).train()
+    assert "host memory: the plan needs" in caplog.text and "0.5 GiB to spare" in caplog.text

@@ -1,7 +1,8 @@
 """Runs that end cleanly: SIGINT / SIGTERM / SIGHUP finish the step, save and stop; optimizer steps with a non-finite
 loss or gradient norm are skipped (the streamed optimizer drops their gradients), and too many in a row stop the run;
 after train() returns, either ends the run with the exception the command turns into a sentence and an exit code.
-A learning-rate warmup the run never finishes is said once, where the Trainer trains on silently."""
+A learning-rate warmup the run never finishes is said once, where the Trainer trains on silently. Host memory is
+watched where a plan was made for it: a step that leaves less than a save needs saves and stops the run."""
 from __future__ import annotations
 
 import contextlib
@@ -42,8 +43,46 @@ def signals_stop_cleanly(run: RunState, trainer_state, output_dir: str | None = 
         yield
 
 
+# what the host watch keeps free beyond a save's shard: the staging's small files and the allocator's growth in a step
+HOST_WATCH_SLACK_GIB = 0.25
+# a plan whose host peak is this close to its budget is said to fit only just, at the start
+THIN_HOST_MARGIN_GIB = 2.0
+
+
+def watch_host(run: RunState) -> None:
+    """With a plan made for a host budget: the memory a checkpoint's save needs (its shard in host memory, and
+    `HOST_WATCH_SLACK_GIB`), which `on_step_end` keeps available; said at the start where the plan fits only just."""
+    plan = run.plan
+    if plan is None or not plan.host_budget_gib or not plan.host_peak_gib:
+        run.host_need_gib = None
+        return
+    run.host_need_gib = plan.save_shard_gib + HOST_WATCH_SLACK_GIB
+    margin = plan.host_budget_gib - plan.host_peak_gib
+    if margin < THIN_HOST_MARGIN_GIB and run.first_time("thin host margin"):
+        logger.warning("host memory: the plan needs %.1f of the %.1f GiB it was made for, %.1f GiB to spare: if "
+                       "less than the %.1f GiB a checkpoint's save needs is left after a step, the run saves a "
+                       "checkpoint and stops, with a sentence (rather than the kernel ending it with no word)",
+                       plan.host_peak_gib, plan.host_budget_gib, margin, run.host_need_gib)
+
+
+def host_memory_left() -> float | None:
+    """GiB the machine has available now (MemAvailable: free memory and the page cache it can reclaim)."""
+    from ..sysinfo import proc_gib
+
+    return proc_gib("/proc/meminfo", "MemAvailable")
+
+
 def on_step_end(run: RunState, global_step: int, control) -> None:
-    """After every callback's `on_step_end`: count a skipped step (stop at the limit), stop on an interrupt."""
+    """After every callback's `on_step_end`: count a skipped step (stop at the limit), stop on an interrupt, save and
+    stop when the host has less left than a save needs."""
+    if run.host_need_gib is not None and run.host_low is None:
+        left = host_memory_left()
+        if left is not None and left < run.host_need_gib:
+            run.host_low = (left, global_step)
+            logger.warning("host memory: %.2f GiB left after step %d, under the %.2f GiB a checkpoint's save needs: "
+                           "saving a checkpoint and stopping", left, global_step, run.host_need_gib)
+            control.should_training_stop = True
+            control.should_save = True
     nf = run.nonfinite
     if nf.step_ended():
         logger.warning("step %d: non-finite loss or gradient norm, update skipped (%d in a row)", global_step,
@@ -82,6 +121,16 @@ def raise_if_stopped(run: RunState, output_dir: str, global_step: int) -> None:
             + (f"the last checkpoint is {ckpt} (continue with resume_from_checkpoint: true)" if ckpt
                else "no checkpoint was saved (save_on_interrupt is off and none was due)"),
             run.interrupted, ckpt)
+    if run.host_low is not None:
+        left, step = run.host_low
+        ckpt = newest_complete_checkpoint(output_dir)
+        raise TrainingStopped(
+            f"host memory ran low: {left:.2f} GiB left after step {step}, under the {run.host_need_gib:.2f} GiB a "
+            f"checkpoint's save needs; stopped before the kernel would end the run with no word. "
+            + (f"Saved {ckpt}: free memory on this machine (other programs) and resume with "
+               f"resume_from_checkpoint: true, " if ckpt else "No checkpoint could be saved: free memory on this "
+               "machine, ")
+            + "or set host_memory_limit_gb to what it can give, so that the plan keeps within it.")
     nf = run.nonfinite
     if nf.stopped:
         ckpt = newest_complete_checkpoint(output_dir)

@@ -148,6 +148,7 @@ class OffloadMixin:
             if run.optimizer is not None:
                 wiring.attach_optimizer(run, run.optimizer, self.model)
         wiring.plan_the_run(self, run)
+        guards.watch_host(run)
         fold.start(run, self.args.per_device_train_batch_size)
         wiring.install_tiling(self, run)
         if run.settings.checkpointing and seams.checkpoint_plain_stacks(

@@ -62,6 +62,7 @@ WRITERS = {
     "step_batches": ("mixin",), "handed_back": ("mixin",),
     "swap": ("wiring",), "fit": ("wiring",), "optimizer": ("wiring",), "row_tokens": ("wiring",),
     "device_loss_filter": ("seams",), "interrupted": ("guards",), "staging_dir": ("staging",),
+    "host_need_gib": ("guards",), "host_low": ("guards",),
     "fold": ("fold",), "fold_blockers": ("fold",),
     "nonfinite": (), "log": (), "said": (), "want_activations": (),
 }
@@ -88,7 +89,9 @@ class RunState:
         self.row_tokens: tuple | None = None  # (the training dataset, its longest row): wiring.row_tokens
         self.fold = None  # the micro-batches run as one, once planned (fold.py), or None
         self.fold_blockers: list[str] = []  # why folding would change the result (fold.check)
-        self.handed_back = False  # the model handed back (OffloadMixin.hand_back_model): no more training
+        self.handed_back = False  # the model handed back (OffloadMixin.hand_back_model)
+        self.host_need_gib: float | None = None  # host memory a save needs, kept available (guards.watch_host)
+        self.host_low: tuple | None = None  # (GiB left, step) when it was not: the run saves and stops
 
     def first_time(self, line: str) -> bool:
         """True the first time it is asked for `line`: the log lines said once a run."""
@@ -115,6 +118,7 @@ class RunState:
         self.activations = None
         self.want_activations = self.decided("activation_offload") and self.settings.checkpointing
         self.interrupted = None
+        self.host_low = None
         self.log = LogCounters()
         self.nonfinite.in_a_row, self.nonfinite.stopped = 0, False
         if self.fold is not None:
