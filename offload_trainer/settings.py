@@ -37,39 +37,36 @@ def switch_word(value: Any) -> bool | None:
     return True if text in ON_WORDS else False if text in OFF_WORDS else None
 
 
+def _off_auto_or_count(value: Any, *, off, unset, least: int, why: str):
+    """A switch that is off, auto or a count: `off` for an off word (or False), None -- the planner's choice -- for an
+    auto or on word (or True), `unset` for no value, else the count (at least `least`); ValueError `why` otherwise."""
+    if value is None:
+        return unset
+    if isinstance(value, bool):
+        return None if value else off
+    text = str(value).strip().lower()
+    if text in OFF_WORDS:
+        return off
+    if text in _AUTO:
+        return None
+    if not text.isdigit() or int(text) < least:
+        raise ValueError(why)
+    return int(text)
+
+
 def parse_layer_swap(value: Any) -> bool | int | None:
     """`layer_swap` as the planner takes it: False (off), None (auto, the planner chooses) or a number of resident
     layers. YAML 1.1 readers turn a bare `off` / `on` into a boolean; both spellings are read the same."""
-    if value is None or value is False:
-        return False
-    if value is True:
-        return None
-    text = str(value).strip().lower()
-    if text in OFF_WORDS:
-        return False
-    if text in _AUTO:
-        return None
-    if not text.isdigit():
-        raise ValueError(f"layer_swap={value!r}: use off, auto, or a number of decoder layers to keep on the GPU")
-    return int(text)
+    return _off_auto_or_count(value, off=False, unset=False, least=0, why=(
+        f"layer_swap={value!r}: use off, auto, or a number of decoder layers to keep on the GPU"))
 
 
 def parse_fold(value: Any) -> int | None:
     """`fold_accumulation` as the planner takes it: None (auto: the planner chooses how many of a step's micro-batches
     run as one), 1 (off: each runs as the Trainer hands it) or that many. `on` asks for auto, as with layer_swap."""
-    if value is None or value is True:
-        return None
-    if value is False:
-        return 1
-    text = str(value).strip().lower()
-    if text in OFF_WORDS:
-        return 1
-    if text in _AUTO:
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"fold_accumulation={value!r}: use auto, off, or how many of an optimizer step's micro-batches "
-                         f"run as one (a divisor of gradient_accumulation_steps)")
-    return int(text)
+    return _off_auto_or_count(value, off=1, unset=None, least=1, why=(
+        f"fold_accumulation={value!r}: use auto, off, or how many of an optimizer step's micro-batches run as one (a "
+        f"divisor of gradient_accumulation_steps)"))
 
 
 def gradients_offloaded(offload: bool, *, asked: bool | None, clips: bool, accumulation: int,
