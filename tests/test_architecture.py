@@ -241,7 +241,8 @@ def _planner_functions_over(limit: int, root=None) -> list[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 a = node.args
-                n = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+                n = (len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None)
+                     + (a.kwarg is not None))
                 if n > limit:
                     over.append(f"{path.name}:{node.name}")
     return over

@@ -258,8 +258,10 @@ def check_template_limits(tok, conversations=()) -> None:
     what, which = got
     if what in ("time", "memory") or (isinstance(what, int) and what > TEMPLATE_CHARS):
         too = (f"runs longer than {TEMPLATE_SECONDS:g} s" if what == "time" else
-               f"needs more than {TEMPLATE_MEMORY / 2**30:g} GiB" if what == "memory" else f"writes {what:,} characters")
-        whose = ("the probe's and the dataset's first conversations" if which is None else "a two-message conversation" if which == 0 else
+               f"needs more than {TEMPLATE_MEMORY / 2**30:g} GiB" if what == "memory" else
+               f"writes {what:,} characters")
+        whose = ("the probe's and the dataset's first conversations" if which is None else
+                 "a two-message conversation" if which == 0 else
                  f"the probe's conversation {which + 1} of {len(_PROBES)}" if which < len(_PROBES) else
                  f"the dataset's record {which - len(_PROBES) + 1}")
         raise DataError(f"chat_template: rendering {whose} {too} (the limits: {TEMPLATE_SECONDS:g} s for "

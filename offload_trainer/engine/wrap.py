@@ -38,7 +38,7 @@ def wrapped(module: nn.Module, tag: str) -> bool:
 
 def add_hook(model: nn.Module, handle):
     """Record a hook's handle (`RemovableHandle`) registered on `model` or on one of its modules or tensors."""
-    model.__dict__.setdefault(_UNDO, []).append(handle.remove)
+    on_unwrap(model, handle.remove)
     return handle
 
 
@@ -53,7 +53,7 @@ def attached(model: nn.Module) -> bool:
 
 def carries_ours(model: nn.Module) -> bool:
     """Whether anything of ours is on `model` (a forward replaced, a hook, a mechanism attached)."""
-    return bool(model.__dict__.get(_UNDO)) or any(m.__dict__.get(_WRAPS) for m in model.modules())
+    return attached(model) or any(m.__dict__.get(_WRAPS) for m in model.modules())
 
 
 def unwrap(model: nn.Module) -> int:

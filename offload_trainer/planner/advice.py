@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from .estimate import Choice, Step, estimate
 from .inputs import Budget
@@ -19,7 +18,7 @@ def refusal(checked, step: Step, base: Choice, budget: Budget) -> str:
     best = min(tried, key=lambda p: p.gpu_peak_gib)
     batch, seq, n, wb, machine = base.batch, base.seq, step.params, step.wb, step.machine
     gpu_gb, host_gb, source = budget.gpu_gb, budget.host_gb, budget.host_source
-    gpu_usable = (gpu_gb - machine.cuda_context_gib) * GiB if gpu_gb else math.inf
+    gpu_usable = budget.gpu_usable
     as_best = dataclasses.replace(base, offload_gradients=best.offload_gradients,
                                   activation_offload=best.activation_offload, resident=best.resident_layers,
                                   tiled=best.tiled_mlp, tiled_layers=best.tiled_layers)

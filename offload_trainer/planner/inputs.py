@@ -2,9 +2,10 @@
 rows are, and `Budget`, what the machine gives it. `plan(shape, settings, budget)` takes these three."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from .shape import Machine, ModelShape
+from .shape import GiB, Machine, ModelShape
 
 
 @dataclass(frozen=True)
@@ -45,3 +46,13 @@ class Budget:
     @property
     def ranks_here(self) -> int:
         return self.ranks if self.node_ranks is None else self.node_ranks
+
+    @property
+    def gpu_usable(self) -> float:
+        """Bytes of the GPU budget the allocator has (the CUDA context taken off); unbounded without a budget."""
+        return (self.gpu_gb - self.machine.cuda_context_gib) * GiB if self.gpu_gb else math.inf
+
+    @property
+    def host_usable(self) -> float:
+        """Bytes of the host budget; unbounded without one."""
+        return self.host_gb * GiB if self.host_gb else math.inf

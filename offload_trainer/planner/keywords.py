@@ -33,7 +33,7 @@ def plan(config, *, batch: int, seq: int, accum: int = 1, fold: int | None = 1, 
         tiled_mlp=tiled_mlp, tiled_layers=tiled_layers, chunk_numel=chunk_numel, inflight_chunks=inflight,
         fused_update=fused_update, device_states=device_states, loss_chunk_size=loss_chunk, layer_swap=layer_swap,
         fold=fold, batch=batch, max_grad_norm=float(max_grad_norm or 0.0), accumulation=accum, world_size=ranks,
-        checkpointing=True, data_workers=workers)
+        data_workers=workers)
     budget = Budget(gpu_gb=gpu_memory_limit_gb, host_gb=host_memory_gb, host_source=host_budget_source, ranks=ranks,
                     node_ranks=node_ranks, machine=machine)
     return _plan(shape, settings, budget, suggest=suggest)

@@ -4,11 +4,9 @@ as fit; gradient and activation offload only where needed; the 8-bit states the 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from ..engine.sizes import STATE_BYTES_PER_VALUE
-from ..settings import MLP_TILE_TOKENS, gradients_offloaded
-from ..settings import OffloadSettings
+from ..settings import MLP_TILE_TOKENS, OffloadSettings, gradients_offloaded
 from .estimate import Choice, Step, estimate
 from .advice import refusal
 from .inputs import Budget, RunShape
@@ -113,8 +111,7 @@ def _plan_micro_batch(shape: RunShape, settings: OffloadSettings, budget: Budget
                 accum=s.accumulation, ranks=budget.ranks, gpu_budget_gib=gpu_gb, host_budget_gib=host_gb,
                 layers=model.layers, device_state_gib=fixed_states / GiB, save_shard_gib=shape.save_shard_bytes / GiB,
                 host_budget_source=budget.host_source)
-    gpu_usable = _gpu_usable(budget)
-    host_usable = host_gb * GiB if host_gb else math.inf
+    gpu_usable, host_usable = budget.gpu_usable, budget.host_usable
     layer_swap = s.layer_swap
 
     # layer_swap auto starts with a margin below the budget: its first steps measure the peak and move layers onto
@@ -159,11 +156,6 @@ def _plan_micro_batch(shape: RunShape, settings: OffloadSettings, budget: Budget
             return p
     advice = refusal(list(zip(tried, usables)), step, Choice(batch=batch, seq=seq, device_states=fixed_states), budget)
     raise (HostPlanError if any(gpu_fits) else PlanError)(advice)
-
-
-def _gpu_usable(budget: Budget) -> float:
-    """Bytes of the GPU budget the allocator has (the CUDA context taken off); unbounded without a budget."""
-    return (budget.gpu_gb - budget.machine.cuda_context_gib) * GiB if budget.gpu_gb else math.inf
 
 
 def _tilings(mlp: bool | None, layers: bool | None, seq: int, shape: ModelShape) -> list[tuple[bool, bool]]:

@@ -1,6 +1,7 @@
 """Arguments: `OffloadTrainingArguments` adds our own fields (`OffloadFields`) to `transformers.TrainingArguments`;
 `offload_trainer.trl.OffloadSFTConfig` adds the same to TRL's `SFTConfig`. The rules that decide from arguments
-(`streams_optimizer`) live here too; the rules that refuse a combination in conflicts.py. (`ModelArguments`, `DataArguments`: run_args.py.)
+(`streams_optimizer`) live here too; the rules that refuse a combination in conflicts.py. (`ModelArguments`,
+`DataArguments`: run_args.py.)
 
 Only the fields we add live here. Everything else is `TrainingArguments`, parsed by transformers'
 own `HfArgumentParser` (see `config.py`).

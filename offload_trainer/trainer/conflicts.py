@@ -34,6 +34,11 @@ def optim_name(args) -> str:
     return str(getattr(args.optim, "value", args.optim))
 
 
+def _may_stream(settings: OffloadSettings, args) -> bool:
+    """Whether the streamed AdamW may run in the Trainer's optimizer's place (not turned off, `optim` names AdamW)."""
+    return settings.offload_optimizer is not False and optim_name(args) in ADAMW_NAMES
+
+
 def launch_conflict(args, asked: bool | None) -> None:
     """`offload_optimizer` (`asked`: its value) under DeepSpeed or FSDP, asked for by the arguments or the launch."""
     if asked is False:
@@ -89,7 +94,7 @@ def check_settings(settings: OffloadSettings, args) -> None:
                               f"one of {', '.join(ADAMW_NAMES)}, or leave offload_optimizer unset (or false) to "
                               f"train with {optim!r} on the GPU.")
     n = getattr(args, "n_gpu", 1)
-    if n > 1 and s.offload_optimizer is not False and optim_name(args) in ADAMW_NAMES:
+    if n > 1 and _may_stream(s, args):
         raise ConfigError(f"{n} GPUs are visible to this one process, where the Trainer would use "
                           f"torch.nn.DataParallel; the offloaded optimizer works one process per GPU. For data "
                           f"parallel launch `torchrun --nproc_per_node {n} ...`; for one GPU set "
@@ -102,11 +107,11 @@ def check_trainer(settings: OffloadSettings, args, optimizer_given: bool) -> Non
     Trainer's own optimizer reads."""
     if optimizer_given:
         if settings.offload_optimizer:
-            raise ConfigError("offload_optimizer=True streams its own AdamW, but an optimizer was passed to the Trainer "
-                              "(optimizers=... or optimizer_cls_and_kwargs=...): pass neither, or set "
+            raise ConfigError("offload_optimizer=True streams its own AdamW, but an optimizer was passed to the "
+                              "Trainer (optimizers=... or optimizer_cls_and_kwargs=...): pass neither, or set "
                               "offload_optimizer: false to train with yours")
         return
-    if settings.offload_optimizer is not False and optim_name(args) in ADAMW_NAMES and getattr(args, "optim_args", None):
+    if _may_stream(settings, args) and getattr(args, "optim_args", None):
         raise ConfigError(f"optim_args={args.optim_args!r} is read by the Trainer's own optimizer, which the streamed "
                           f"AdamW replaces: use adam_beta1 / adam_beta2 / adam_epsilon / weight_decay, or set "
                           f"offload_optimizer: false")

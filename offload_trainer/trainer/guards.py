@@ -13,6 +13,7 @@ import signal
 from .checkpoint import newest_complete_checkpoint
 from ..errors import GpuOutOfMemory, TrainingInterrupted, TrainingStopped, stop_signals_call
 from .run_state import RunState
+from ..sysinfo import proc_gib
 
 logger = logging.getLogger("offload_trainer")
 NO_WARMUP_SCHEDULES = ("constant", "reduce_lr_on_plateau")  # (transformers' schedules that ignore the warmup)
@@ -67,8 +68,6 @@ def watch_host(run: RunState) -> None:
 
 def host_memory_left() -> float | None:
     """GiB the machine has available now (MemAvailable: free memory and the page cache it can reclaim)."""
-    from ..sysinfo import proc_gib
-
     return proc_gib("/proc/meminfo", "MemAvailable")
 
 

@@ -87,7 +87,8 @@ class OffloadMixin:
         given = self.optimizer is not None or self.optimizer_cls_and_kwargs is not None
         check_trainer(self._run.settings, self.args, given)
         if given:  # (an optimizer handed over is honoured: the Trainer's own path, said in the log)
-            self._run.not_streaming_why = "an optimizer was passed to the Trainer (optimizers= or optimizer_cls_and_kwargs=)"
+            self._run.not_streaming_why = ("an optimizer was passed to the Trainer (optimizers= or "
+                                           "optimizer_cls_and_kwargs=)")
         else:
             self._run.streaming, self._run.not_streaming_why = streams_optimizer(self.args, self._run.settings,
                                                                                  model=self.model)
